@@ -1,0 +1,1 @@
+"""Framework adapters: torch, horovod, deepspeed (installed as pollux_launch.adapters)."""

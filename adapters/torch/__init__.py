@@ -1,0 +1,1 @@
+"""Native torch.distributed elastic training with the PolluxAgent."""

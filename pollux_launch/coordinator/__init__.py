@@ -1,0 +1,1 @@
+"""coordinator (see README.md)."""

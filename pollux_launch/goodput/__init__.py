@@ -1,0 +1,1 @@
+"""goodput (see README.md)."""

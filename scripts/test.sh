@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs everything the tests need and runs the whole suite:
+#   Debian's etcd-server (a real etcd for the store tests), g++ and ninja (DeepSpeed's
+#   CPU op JIT), the .venv with every extra, then ruff and pytest.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "test.sh: installing Debian packages: ${need_apt[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# (this machine's pip config names local indexes that may be absent: silence only that noise)
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2> >(grep -v '^WARNING: Location' >&2)
+
+.venv/bin/ruff check .
+exec .venv/bin/pytest "$@"
