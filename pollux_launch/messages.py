@@ -11,6 +11,8 @@ Who writes what (key schema in ``rendezvous/README.md``):
 * ``Allocation`` - written by the coordinator; one node name per replica, with a version
   number that increases with every change (one rendezvous round per version).
 * ``NodeInfo``   - written by each node agent under a lease.
+* ``JobStatus``  - the job's lifecycle state, written by whoever learns of a change
+  (``pollux-run`` or a node agent when workers exit, ``pollux-run cancel``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class JobSpec:
     name: str
     command: tuple[str, ...]
     framework: str = "torch"
+    initial_replicas: int = 1
     min_replicas: int = 1
     max_replicas: int = 1_000_000
     preemptible: bool = True
@@ -99,6 +102,28 @@ class NodeInfo:
     slots: int
     address: str = "127.0.0.1"
     timestamp: float = 0.0
+
+
+JOB_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
+FINISHED_STATES = ("succeeded", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """``state`` is one of JOB_STATES; ``exit_code`` is set once the job finished."""
+
+    state: str
+    exit_code: int | None = None
+    message: str = ""
+    timestamp: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.state not in JOB_STATES:
+            raise MessageError(f"JobStatus.state must be one of {JOB_STATES}, got {self.state!r}")
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED_STATES
 
 
 def encode(msg: Any) -> str:

@@ -1,0 +1,38 @@
+"""The cluster's key schema (relative to the store's cluster prefix, default ``/pollux``).
+
+::
+
+    nodes/<node>                  NodeInfo, under the node agent's lease
+    jobs/<job>/spec               JobSpec, written once at submission
+    jobs/<job>/signature          hex HMAC-SHA256 of the spec's exact text (cluster secret)
+    jobs/<job>/status             JobStatus
+    jobs/<job>/hints              JobHints, refreshed by the job's rank-0 agent
+    jobs/<job>/allocation         Allocation, written by the coordinator
+    jobs/<job>/rdzv/...           the job's rendezvous rounds (rendezvous/README.md)
+    coordinator/leader            the active coordinator's id, under its lease
+
+Only JSON is stored; see ``pollux_launch.messages``.
+"""
+
+from __future__ import annotations
+
+NODES = "nodes/"
+JOBS = "jobs/"
+LEADER = "coordinator/leader"
+
+
+def node(name: str) -> str:
+    return f"{NODES}{name}"
+
+
+def job(name: str, leaf: str = "") -> str:
+    """``jobs/<name>/`` or ``jobs/<name>/<leaf>``."""
+    return f"{JOBS}{name}/{leaf}"
+
+
+def split_job_key(key: str) -> tuple[str, str] | None:
+    """``jobs/<name>/<leaf...>`` -> (name, leaf); None for other keys."""
+    if not key.startswith(JOBS):
+        return None
+    name, sep, leaf = key[len(JOBS):].partition("/")
+    return (name, leaf) if sep and name else None

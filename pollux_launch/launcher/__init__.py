@@ -1,0 +1,1 @@
+"""The ``pollux-run COMMAND`` launcher: options, hosts, framework detection, workers."""
