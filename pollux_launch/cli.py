@@ -14,16 +14,24 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "coordinator": ("pollux_launch.coordinator.cli", "run the cluster's scheduling service"),
+    "agent": ("pollux_launch.launcher.agent_cli", "run the node agent of this node"),
+    "status": ("pollux_launch.launcher.status", "show nodes and jobs at a glance"),
+    "cancel": ("pollux_launch.launcher.cancel", "cancel a job"),
     "simulate": ("pollux_launch.sim.cli", "replay a workload trace through a simulated cluster"),
 }
 
 
-class UsageError(Exception):
-    """A mistake the user can fix: printed as one line, exit code 2."""
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Errors a user can cause end as one line (no traceback) and exit code 2.
+    from .launcher.hosts import HostsError
+    from .launcher.options import OptionsError
+    from .launcher.security import SecretError
+    from .messages import MessageError
+    from .rendezvous.store import StoreError
+
+    user_errors = (OptionsError, HostsError, SecretError, StoreError, MessageError, ValueError)
     try:
         if argv and argv[0] in SUBCOMMANDS:
             module_name, help_text = SUBCOMMANDS[argv[0]]
@@ -31,20 +39,40 @@ def main(argv: list[str] | None = None) -> int:
             parser = argparse.ArgumentParser(prog=f"pollux-run {argv[0]}", description=help_text)
             module.add_arguments(parser)
             return int(module.run(parser.parse_args(argv[1:])) or 0)
-        if not argv or argv[0] in ("-h", "--help"):
+        if not argv:
             _print_help()
-            return 0 if argv else 2
-        raise UsageError("launching jobs is not available yet; see `pollux-run --help`")
-    except UsageError as exc:
+            return 2
+        return _launch(argv)
+    except user_errors as exc:
         print(f"pollux-run: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
 
 
+def _launch(argv: list[str]) -> int:
+    import logging
+
+    from . import __version__
+    from .launcher.options import build_parser, parse_launch_args
+    from .launcher.run import launch
+
+    if argv[0] in ("-h", "--help"):
+        build_parser().print_help()
+        _print_help()
+        return 0
+    if argv[0] in ("-v", "--version"):
+        print(f"pollux-run {__version__}")
+        return 0
+    opts = parse_launch_args(argv)
+    logging.basicConfig(level=opts.log_level.replace("TRACE", "DEBUG").replace("FATAL", "CRITICAL"),
+                        format="[pollux] %(levelname)s %(name)s: %(message)s")
+    return launch(opts)
+
+
 def _print_help() -> None:
-    print("usage: pollux-run [flags] COMMAND...   |   pollux-run SUBCOMMAND [args]\n")
-    print("subcommands:")
+    print("\nusage: pollux-run [flags] COMMAND...   |   pollux-run SUBCOMMAND [args]\n")
+    print("subcommands (pollux-run SUBCOMMAND --help for each):")
     for name, (_, help_text) in SUBCOMMANDS.items():
         print(f"  {name:<12} {help_text}")
 

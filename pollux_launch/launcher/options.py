@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .frameworks import FRAMEWORKS, detect_framework
 from .hosts import Host, HostsError, parse_hostfile, parse_hosts
+from .store_args import add_store_arguments, store_options, worker_store_env
 
 
 class OptionsError(ValueError):
@@ -73,12 +74,16 @@ class LaunchOptions:
     verbose: bool
     log_level: str
     store: str | None
+    store_prefix: str
     job_name: str
     fairness: float
     interval: float
     policy: str | None
     framework: str
     horovod_env: dict[str, str] = field(default_factory=dict)
+    store_options: dict[str, object] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    secret_file: str | None = None
 
     @property
     def elastic(self) -> bool:
@@ -131,8 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-v", "--version", action="store_true", help="print the version and exit")
 
     x = p.add_argument_group("pollux")
-    x.add_argument("--store", help="store URL: etcd://host:port[,...] or embedded:///path "
-                   "(default: an embedded store on this machine)")
     x.add_argument("--job-name", help="unique job name (default: derived from the command)")
     x.add_argument("--fairness", type=float, default=-1.0,
                    help="fairness knob p of the Pollux fitness (default -1; 1 = plain sum)")
@@ -144,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in _UNSUPPORTED:  # recognised, so that using one gets a reason, not "unknown"
         p.add_argument(flag, dest=_unsupported_dest(flag), nargs="?", const="",
                        help=argparse.SUPPRESS)
+    add_store_arguments(p)
+    x.add_argument("--secret-file", help="cluster secret for signing the job spec "
+                   "(or $POLLUX_SECRET / $POLLUX_SECRET_FILE)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
     return p
 
@@ -241,9 +247,11 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         network_interface=ns.network_interface, start_timeout=start_timeout,
         elastic_timeout=ns.elastic_timeout, reset_limit=ns.reset_limit,
         blacklist_cooldown_range=cooldown, output_filename=ns.output_filename,
-        verbose=ns.verbose, log_level=ns.log_level, store=ns.store, job_name=job_name,
+        verbose=ns.verbose, log_level=ns.log_level, store=ns.store,
+        store_prefix=ns.store_prefix, job_name=job_name,
         fairness=ns.fairness, interval=ns.interval, policy=ns.policy, framework=framework,
-        horovod_env=horovod_env,
+        horovod_env=horovod_env, store_options=store_options(ns),
+        worker_env=worker_store_env(ns), secret_file=ns.secret_file,
     )
 
 

@@ -1,0 +1,48 @@
+"""``pollux-run coordinator``: the scheduling service of a multi-node cluster.
+
+Foreground, logs to stdout, SIGTERM/SIGINT stop it cleanly (systemd-friendly). Run
+several for active/standby: one leads under a store lease, the others wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from ..launcher.store_args import add_store_arguments, open_from_args
+from ..policy import DEFAULT_POLICY, POLICIES, make_policy
+from .service import Coordinator
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                        help=f"search engine (default {DEFAULT_POLICY})")
+    parser.add_argument("--fairness", type=float, default=-1.0, help="fairness knob p (Eqn 14)")
+    parser.add_argument("--interval", type=float, default=60.0, help="seconds between rounds")
+    parser.add_argument("--realloc-delay", type=float, default=30.0,
+                        help="expected seconds lost per re-allocation (delta of the penalty)")
+    parser.add_argument("--no-interference-avoidance", action="store_true",
+                        help="allow several multi-node jobs to share a node")
+    parser.add_argument("--lease-ttl", type=float, default=10.0,
+                        help="leadership lease; a standby takes over this long after a crash")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s coordinator %(levelname)s %(message)s")
+    if args.fairness == 0:
+        raise ValueError("--fairness must not be 0 (use e.g. -1 for fair, 1 for plain sum)")
+    policy = make_policy(args.policy, p=args.fairness, delta=args.realloc_delay,
+                         interference_avoidance=not args.no_interference_avoidance)
+    store, url = open_from_args(args)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logging.info("serving %s with policy %s every %.0f s", url, policy.name, args.interval)
+    with store:
+        Coordinator(store, policy, interval=args.interval, lease_ttl=args.lease_ttl).serve(stop)
+    return 0

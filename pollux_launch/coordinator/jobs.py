@@ -1,0 +1,76 @@
+"""From what the store says about a job to what the policy needs (a ``JobInfo``).
+
+Pure: messages in, ``JobInfo`` out. A job that has not reported a fitted throughput
+model yet gets a *prior* speedup that grows linearly up to the replicas it asked for
+(``-np``) and is flat beyond, so the policy starts it where the user asked; once the
+agent's hints carry a model, the speedup is Pollux's goodput ratio (Eqn 15 normalisation
+is the policy's job) and the exploration cap bounds how far it may grow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..goodput import GoodputFunction, GradParams, PerfParams, SpeedupFunction, exploration_cap
+from ..messages import Allocation, JobHints, JobSpec
+from ..policy import JobInfo
+
+SpeedupFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def prior_speedup(initial_replicas: int) -> SpeedupFn:
+    """min(K, initial)/initial: worth growing to what the user asked for, no further."""
+    initial = max(1, initial_replicas)
+
+    def speedup(num_nodes: np.ndarray, num_replicas: np.ndarray) -> np.ndarray:
+        return np.minimum(np.asarray(num_replicas, dtype=float), initial) / initial
+
+    return speedup
+
+
+def model_speedup(hints: JobHints) -> SpeedupFn | None:
+    """The goodput-based speedup function of a job's hints, or None without a model."""
+    if not hints.perf_params or hints.grad_sqr is None or hints.grad_var is None:
+        return None
+    goodput_fn = GoodputFunction(
+        PerfParams(**hints.perf_params),
+        GradParams(sqr=hints.grad_sqr, var=hints.grad_var),
+        hints.init_batch_size,
+    )
+    return SpeedupFunction(
+        goodput_fn,
+        max_batch_size=hints.max_batch_size,
+        local_bsz_bounds=hints.local_bsz_bounds,
+        accumulation=hints.gradient_accumulation,
+        fixed_batch_size=None if hints.adaptive_batch_size else hints.init_batch_size,
+    )
+
+
+def job_info(
+    spec: JobSpec,
+    hints: JobHints | None,
+    allocation: Allocation | None,
+    now: float,
+    speedup_fn: SpeedupFn | None = None,
+) -> JobInfo:
+    """The policy's view of one job. ``speedup_fn`` is the caller's memoised
+    ``model_speedup(hints)`` (fitting and memo tables are worth keeping across rounds)."""
+    max_replicas = spec.max_replicas
+    if speedup_fn is None:
+        speedup_fn = prior_speedup(spec.initial_replicas)
+    elif hints is not None:
+        cap = max(exploration_cap(hints.max_profiled_replicas), spec.initial_replicas)
+        max_replicas = min(max_replicas, cap)
+    running = allocation is not None and allocation.num_replicas > 0
+    return JobInfo(
+        name=spec.name,
+        speedup_fn=speedup_fn,
+        age=max(0.0, now - spec.submit_time),
+        # every version after the first moved a running job: a re-allocation (R_j)
+        restarts=max(0, allocation.version - 1) if allocation else 0,
+        min_replicas=spec.min_replicas,
+        max_replicas=max(spec.min_replicas, max_replicas),
+        preemptible=spec.preemptible or not running,
+    )

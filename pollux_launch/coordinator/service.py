@@ -1,0 +1,234 @@
+"""The coordinator service: read the cluster from the store, run the policy, write allocations.
+
+Protocol (keys in ``pollux_launch.keys``):
+
+1. Leadership: candidates race to ``create`` ``coordinator/leader`` under a lease; the
+   winner keeps the lease alive, the others wait for the key to vanish. Any number may
+   run (active/standby); killing the active one hands over within the lease TTL.
+2. A round: read ``nodes/*`` and ``jobs/*/{spec,status,hints,allocation}``; build one
+   ``JobInfo`` per unfinished job; ``policy.optimize``; for each job whose placement
+   changed, write ``Allocation(version + 1, ...)``. The writes are one transaction
+   conditioned on still holding leadership, so a deposed leader never writes.
+3. Rounds run every ``interval`` seconds and at once (after ``settle`` seconds, to batch
+   bursts) when a job is submitted or finishes, or a node joins or leaves.
+
+Nothing durable lives here: a restarted coordinator re-reads everything, and running
+jobs are not disturbed because unchanged placements are not rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import keys
+from ..messages import Allocation, JobHints, JobSpec, JobStatus, MessageError, NodeInfo, decode
+from ..messages import encode as encode_msg
+from ..policy import Policy, PolicyNode
+from ..rendezvous.store import Compare, KeyValue, Put, Store, StoreError
+from .jobs import SpeedupFn, job_info, model_speedup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _JobView:
+    spec: JobSpec | None = None
+    status: JobStatus | None = None
+    hints: JobHints | None = None
+    allocation: Allocation | None = None
+
+
+class Coordinator:
+    """One coordinator candidate. ``serve`` runs until ``stop`` is set."""
+
+    def __init__(
+        self,
+        store: Store,
+        policy: Policy,
+        interval: float = 60.0,
+        lease_ttl: float = 10.0,
+        settle: float = 0.5,
+        clock: Callable[[], float] = time.time,
+        name: str | None = None,
+    ) -> None:
+        self.store, self.policy, self.interval = store, policy, interval
+        self.lease_ttl, self.settle, self.clock = lease_ttl, settle, clock
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.rounds = 0
+        self._lease = 0
+        self._memo: dict[str, tuple[float, SpeedupFn | None]] = {}
+
+    # -- one round -------------------------------------------------------------------
+    def schedule_once(self) -> dict[str, Allocation]:
+        """Run one scheduling round; returns the allocations it wrote."""
+        nodes = self._read_nodes()
+        jobs = self._read_jobs()
+        now = self.clock()
+        active = [n for n, v in sorted(jobs.items())
+                  if v.spec is not None and not (v.status and v.status.finished)]
+        names = [n.name for n in nodes]
+        current = np.zeros((len(active), len(nodes)), dtype=int)
+        for j, name in enumerate(active):
+            alloc = jobs[name].allocation
+            for node in alloc.nodes if alloc else ():
+                if node in names:
+                    current[j, names.index(node)] += 1
+        infos = [job_info(v.spec, v.hints, v.allocation, now, self._speedup(n, v))
+                 for n, v in ((n, jobs[n]) for n in active)]
+        target = (self.policy.optimize(infos, [PolicyNode(n.name, n.slots) for n in nodes], current)
+                  if active and nodes else current)
+        writes: dict[str, Allocation] = {}
+        for j, name in enumerate(active):
+            old = jobs[name].allocation
+            placement = _placement(old.nodes if old else (), target[j], names)
+            if old is None or placement != old.nodes:
+                writes[name] = Allocation(_next_version(old), placement, now)
+        for name, view in jobs.items():  # finished jobs give their slots back
+            if view.status and view.status.finished and view.allocation and view.allocation.nodes:
+                writes[name] = Allocation(view.allocation.version + 1, (), now)
+        for name in set(self._memo) - set(active):
+            del self._memo[name]
+        if writes:
+            ops = [Put(keys.job(n, "allocation"), encode_msg(a)) for n, a in writes.items()]
+            guard = ([Compare(keys.LEADER, "value", "==", json.dumps(self.name))]
+                     if self._lease else [])
+            if not self.store.txn(guard, ops):
+                log.warning("coordinator %s lost leadership; round discarded", self.name)
+                return {}
+            for name, alloc in sorted(writes.items()):
+                log.info("allocation %s v%d: %s", name, alloc.version, _describe(alloc))
+        self.rounds += 1
+        return writes
+
+    def _speedup(self, name: str, view: _JobView) -> SpeedupFn | None:
+        """Memoised per job and hints timestamp: each fitted model is built once and its
+        goodput memo table reused across rounds."""
+        stamp = view.hints.timestamp if view.hints else -1.0
+        cached = self._memo.get(name)
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, model_speedup(view.hints) if view.hints else None)
+            self._memo[name] = cached
+        return cached[1]
+
+    def _read_nodes(self) -> list[NodeInfo]:
+        nodes = []
+        for kv in self.store.get_prefix(keys.NODES):
+            node = _decode(NodeInfo, kv)
+            if node is not None and node.slots > 0:
+                nodes.append(node)
+        return sorted(nodes, key=lambda n: n.name)
+
+    def _read_jobs(self) -> dict[str, _JobView]:
+        jobs: dict[str, _JobView] = {}
+        kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation}
+        for kv in self.store.get_prefix(keys.JOBS):
+            split = keys.split_job_key(kv.key)
+            if split is None or split[1] not in kinds:
+                continue
+            value = _decode(kinds[split[1]], kv)
+            if value is not None:
+                setattr(jobs.setdefault(split[0], _JobView()), split[1], value)
+        return jobs
+
+    # -- the service -----------------------------------------------------------------
+    def serve(self, stop: threading.Event) -> None:
+        """Campaign for leadership; while leader, schedule every interval and on events."""
+        while not stop.is_set():
+            try:
+                if self._campaign():
+                    self._lead(stop)
+                else:
+                    rev = self.store.revision()
+                    self.store.wait(keys.LEADER, rev, timeout=min(1.0, self.lease_ttl / 3))
+            except StoreError as exc:
+                log.warning("coordinator: store problem (%s); retrying", exc)
+                stop.wait(1.0)
+        self._resign()
+
+    def _campaign(self) -> bool:
+        lease = self.store.lease_grant(self.lease_ttl)
+        if self.store.create(keys.LEADER, json.dumps(self.name), lease=lease):
+            self._lease = lease
+            log.info("coordinator %s is the leader", self.name)
+            return True
+        self.store.lease_revoke(lease)
+        return False
+
+    def _lead(self, stop: threading.Event) -> None:
+        keeper = self.store.keep_alive(self._lease, self.lease_ttl / 3)
+        try:
+            next_round = 0.0
+            rev = self.store.revision()
+            while not stop.is_set() and not keeper.expired.is_set():
+                if self.clock() >= next_round:
+                    rev = self.store.revision()
+                    self.schedule_once()
+                    next_round = self.clock() + self.interval
+                timeout = max(0.0, min(next_round - self.clock(), self.lease_ttl / 3))
+                events = self.store.wait("", rev, timeout=timeout)
+                if events:
+                    rev = max(e.revision for e in events)
+                if any(_triggers_round(e.key) for e in events):
+                    stop.wait(self.settle)  # batch a burst of arrivals into one round
+                    next_round = 0.0
+        finally:
+            keeper.stop()
+
+    def _resign(self) -> None:
+        if self._lease:
+            try:
+                self.store.lease_revoke(self._lease)
+            except StoreError:
+                pass
+            self._lease = 0
+
+
+def _triggers_round(key: str) -> bool:
+    if key.startswith(keys.NODES):
+        return True
+    split = keys.split_job_key(key)
+    return split is not None and split[1] in ("spec", "status")
+
+
+def _decode(cls, kv: KeyValue):
+    try:
+        return decode(cls, kv.value)
+    except MessageError as exc:
+        log.warning("ignoring malformed %s: %s", kv.key, exc)
+        return None
+
+
+def _next_version(old: Allocation | None) -> int:
+    return old.version + 1 if old else 1
+
+
+def _placement(old: tuple[str, ...], row: np.ndarray, names: list[str]) -> tuple[str, ...]:
+    """Node names per replica for a matrix row, keeping surviving replicas in their old
+    order (so the rendezvous keeps their ranks) and appending new ones."""
+    left = {name: int(k) for name, k in zip(names, row, strict=True) if k > 0}
+    kept = []
+    for node in old:
+        if left.get(node, 0) > 0:
+            kept.append(node)
+            left[node] -= 1
+    for name in names:
+        kept.extend([name] * left.get(name, 0))
+    return tuple(kept)
+
+
+def _describe(alloc: Allocation) -> str:
+    if not alloc.nodes:
+        return "none"
+    counts: dict[str, int] = {}
+    for node in alloc.nodes:
+        counts[node] = counts.get(node, 0) + 1
+    return ", ".join(f"{n}x{k}" for n, k in counts.items())

@@ -1,0 +1,63 @@
+"""``pollux-run agent``: the node agent of a multi-node cluster, one per node.
+
+Foreground, logs to stdout, SIGTERM drains (workers get SIGTERM, the node's lease is
+revoked) - systemd-friendly. Runs only job specs signed with the cluster secret when
+one is configured (``--secret-file`` or $POLLUX_SECRET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+import time
+
+from ..messages import NodeInfo
+from . import security
+from .node_agent import NodeAgent
+from .run import local_slots_default
+from .store_args import add_store_arguments, open_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--node-name", default=socket.gethostname(), help="this node's name")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="workers this node can run (default: its GPUs, else CPU cores)")
+    parser.add_argument("--address", default=None,
+                        help="address other nodes reach this one at (default: resolved hostname)")
+    parser.add_argument("--secret-file", help="cluster secret (or $POLLUX_SECRET)")
+    parser.add_argument("--output-filename", help="directory for per-worker logs")
+    parser.add_argument("--lease-ttl", type=float, default=5.0, help="registration lease")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s agent[{args.node_name}] %(levelname)s %(message)s")
+    slots = args.slots if args.slots is not None else local_slots_default()
+    if slots < 1:
+        raise ValueError("--slots must be at least 1")
+    secret = security.load_secret(args.secret_file)
+    if secret is None:
+        logging.warning("no cluster secret set: this agent runs any job in the store")
+    address = args.address or _address()
+    store, url = open_from_args(args)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    node = NodeInfo(args.node_name, slots, address, time.time())
+    logging.info("node %s: %d slots at %s, store %s", node.name, slots, address, url)
+    with store:
+        NodeAgent(store, node, url, args.store_prefix, secret=secret,
+                  output_dir=args.output_filename, lease_ttl=args.lease_ttl).serve(stop)
+    return 0
+
+
+def _address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

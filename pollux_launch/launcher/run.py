@@ -1,0 +1,192 @@
+"""``pollux-run [flags] COMMAND...``: submit one job and drive it to completion.
+
+Two modes, chosen by the store:
+
+* **Local** (embedded store, the default): this process is the whole cluster for its
+  job - it registers this machine as a node (its GPUs, or CPU cores, or ``-H
+  localhost:N`` slots), runs a coordinator candidate (several ``pollux-run`` on one
+  machine share one leader through the store) and a node agent for its own job. The
+  job's spec lives under this process's lease, so a killed launcher frees its slots.
+* **Cluster** (``--store etcd://...``): the spec is signed and submitted; node agents
+  run the workers and the coordinator service schedules; this process follows the job
+  and prints its status until it ends.
+
+Either way it prints a compact status line whenever the job's state changes and exits
+with the job's exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import IO
+
+from .. import keys
+from ..coordinator.service import Coordinator
+from ..messages import JobHints, JobSpec, JobStatus, MessageError, NodeInfo, decode, encode
+from ..policy import DEFAULT_POLICY, make_policy
+from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
+from . import security
+from .node_agent import NodeAgent
+from .options import LaunchOptions, OptionsError
+from .status import describe_hints
+from .store_args import DEFAULT_URL
+
+log = logging.getLogger(__name__)
+
+LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname()}
+
+
+def local_slots(opts: LaunchOptions) -> int:
+    """This machine's slots: -H/--hostfile if given (local names only), else GPUs or cores."""
+    if opts.hosts is not None:
+        remote = [h.name for h in opts.hosts if h.name not in LOCAL_NAMES]
+        if remote:
+            raise OptionsError(
+                f"host {remote[0]!r} is not this machine: for several machines run "
+                "`pollux-run agent --store etcd://...` on each and pass --store etcd://...")
+        return sum(h.slots for h in opts.hosts)
+    return local_slots_default()
+
+
+def local_slots_default() -> int:
+    """This machine's GPUs, or its CPU cores when it has none."""
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except Exception:  # any torch trouble: fall back to CPU slots
+        gpus = 0
+    return gpus or os.cpu_count() or 1
+
+
+def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
+    """Run the job; returns its exit code. Raises OptionsError / StoreError on bad input."""
+    stdout = stdout or sys.stdout
+    url = opts.store or DEFAULT_URL
+    local = url.startswith("embedded")
+    if opts.host_discovery_script is not None:
+        raise OptionsError("--host-discovery-script: with pollux-run the hosts are the node "
+                           "agents that registered in the store; start one per host instead")
+    slots = local_slots(opts) if local else 0
+    if local and opts.min_np > slots:
+        raise OptionsError(f"--min-np {opts.min_np} is more than this machine's {slots} slots")
+    secret = security.load_secret(opts.secret_file)
+    store = open_store(url, opts.store_prefix, **opts.store_options)
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    lease = store.lease_grant(10.0) if local else 0
+    keeper = store.keep_alive(lease, 3.0) if local else None
+    try:
+        spec = _spec(opts)
+        _submit(store, spec, secret, lease)
+        if local:
+            node = NodeInfo(socket.gethostname(), slots, "127.0.0.1", time.time())
+            policy = make_policy(opts.policy or DEFAULT_POLICY, p=opts.fairness)
+            coordinator = Coordinator(store, policy, interval=opts.interval, settle=0.2)
+            agent = NodeAgent(store, node, url, opts.store_prefix, secret=secret,
+                              only_jobs={spec.name}, output_dir=opts.output_filename,
+                              stdout=stdout)
+            for target, name in ((coordinator.serve, "coordinator"), (agent.serve, "node-agent")):
+                thread = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
+                thread.start()
+                threads.append(thread)
+        return _follow(store, spec.name, opts, stdout)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        if local:
+            store.delete(keys.job(opts.job_name), prefix=True)
+            if keeper is not None:
+                keeper.stop(revoke=True)
+        store.close()
+
+
+def _spec(opts: LaunchOptions) -> JobSpec:
+    env = {**opts.worker_env, **opts.horovod_env, "PYTHONUNBUFFERED": "1"}
+    if opts.network_interface:
+        env["GLOO_SOCKET_IFNAME"] = env["HOROVOD_GLOO_IFACE"] = opts.network_interface
+    env["POLLUX_LOG_LEVEL"] = opts.log_level
+    return JobSpec(
+        name=opts.job_name, command=opts.command, framework=opts.framework,
+        initial_replicas=opts.np, min_replicas=opts.min_np, max_replicas=opts.max_np,
+        submit_time=time.time(), workdir=os.getcwd(), env=env,
+    )
+
+
+def _submit(store: Store, spec: JobSpec, secret: bytes | None, lease: int) -> None:
+    """Create the job's keys atomically; a live job of the same name is a clash."""
+    spec_key = keys.job(spec.name, "spec")
+    status_key = keys.job(spec.name, "status")
+    old_status = store.get(status_key)
+    if store.get(spec_key) is not None:
+        raise OptionsError(f"job {spec.name!r} already exists in the store; choose another "
+                           f"--job-name or run `pollux-run cancel {spec.name}`")
+    text = encode(spec)
+    ops = [Delete(keys.job(spec.name), prefix=True)] if old_status else []
+    if not store.txn([Compare(spec_key, "create_revision", "==", 0)], ops):
+        raise OptionsError(f"job {spec.name!r} was just submitted by someone else")
+    writes = [Put(spec_key, text, lease), Put(status_key, encode(JobStatus("pending")))]
+    if secret is not None:
+        writes.append(Put(keys.job(spec.name, "signature"), f'"{security.sign(text, secret)}"'))
+    if not store.txn([Compare(spec_key, "create_revision", "==", 0)], writes):
+        raise OptionsError(f"job {spec.name!r} was just submitted by someone else")
+
+
+def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int:
+    """Print status changes until the job ends; Ctrl-C / SIGTERM cancel it."""
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        interrupted.append(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    last_line = ""
+    try:
+        while True:
+            if interrupted:
+                _cancel(store, job, f"pollux-run got signal {interrupted[0]}")
+                print(f"[pollux] {job}: cancelled", file=stdout, flush=True)
+                return 128 + interrupted[0]
+            try:
+                status = _read(store, keys.job(job, "status"), JobStatus)
+                hints = _read(store, keys.job(job, "hints"), JobHints)
+            except StoreError as exc:
+                log.warning("store unavailable (%s); retrying", exc)
+                time.sleep(1.0)
+                continue
+            if status is not None and status.finished:
+                code = status.exit_code if status.exit_code is not None else 1
+                detail = f" ({status.message})" if status.message else ""
+                print(f"[pollux] {job}: {status.state}, exit code {code}{detail}",
+                      file=stdout, flush=True)
+                return code
+            line = describe_hints(hints) if hints else "waiting for the first report"
+            if line != last_line:
+                print(f"[pollux] {job}: {line}", file=stdout, flush=True)
+                last_line = line
+            store.wait(keys.job(job), store.revision(), timeout=1.0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _read(store: Store, key: str, cls):
+    kv = store.get(key)
+    if kv is None:
+        return None
+    try:
+        return decode(cls, kv.value)
+    except MessageError:
+        return None
+
+
+def _cancel(store: Store, job: str, message: str) -> None:
+    store.put(keys.job(job, "status"), encode(JobStatus("cancelled", 130, message, time.time())))

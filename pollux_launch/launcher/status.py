@@ -1,0 +1,148 @@
+"""``pollux-run status [--watch]``: the cluster at a glance.
+
+One table of nodes (slots used / free) and one of jobs (state, GPUs per node, batch
+size = replicas x m x (s+1), statistical efficiency, goodput, speedup over one GPU,
+re-allocations, age), all read from the store - nothing is computed that the store
+does not say, except goodput and efficiency, which follow from the job's hints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from typing import IO
+
+import numpy as np
+
+from .. import keys
+from ..messages import (
+    Allocation,
+    JobHints,
+    JobSpec,
+    JobStatus,
+    MessageError,
+    NodeInfo,
+    decode,
+)
+from ..rendezvous.store import Store
+from .store_args import add_store_arguments, open_from_args
+
+
+def job_figures(hints: JobHints) -> dict[str, float | None]:
+    """Batch size, efficiency, goodput and speedup of the job's current configuration."""
+    from ..coordinator.jobs import model_speedup
+    from ..goodput import GradParams, efficiency
+
+    k, m, s = hints.num_replicas, hints.local_bsz, hints.accum_steps
+    batch = k * m * (s + 1)
+    out: dict[str, float | None] = {"batch": batch, "efficiency": None, "goodput": None,
+                                    "speedup": None}
+    if hints.grad_sqr and hints.grad_var is not None and batch:
+        grad = GradParams(sqr=hints.grad_sqr, var=hints.grad_var)
+        out["efficiency"] = float(efficiency(grad, hints.init_batch_size, np.array([batch]))[0])
+    speedup = model_speedup(hints)
+    if speedup is not None and k:
+        nodes, reps = np.array([hints.num_nodes or 1]), np.array([k])
+        out["goodput"] = float(speedup.goodput(nodes, reps)[0])
+        out["speedup"] = float(speedup(nodes, reps)[0])
+    return out
+
+
+def describe_hints(hints: JobHints) -> str:
+    """The launcher's compact status line."""
+    f = job_figures(hints)
+    parts = [
+        f"replicas {hints.num_replicas} on {hints.num_nodes} node(s)",
+        f"batch {f['batch']} = {hints.num_replicas}x{hints.local_bsz}x{hints.accum_steps + 1}",
+    ]
+    if f["efficiency"] is not None:
+        parts.append(f"efficiency {f['efficiency']:.2f}")
+    if f["goodput"] is not None:
+        parts.append(f"goodput {f['goodput']:.0f}/s")
+    parts.append(f"progress {hints.progress:.0f}")
+    return " | ".join(parts)
+
+
+def render(store: Store, now: float | None = None) -> str:
+    """The status tables as text."""
+    now = time.time() if now is None else now
+    nodes = {}
+    for kv in store.get_prefix(keys.NODES):
+        try:
+            node = decode(NodeInfo, kv.value)
+            nodes[node.name] = node
+        except MessageError:
+            continue
+    jobs: dict[str, dict[str, object]] = {}
+    kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation}
+    for kv in store.get_prefix(keys.JOBS):
+        split = keys.split_job_key(kv.key)
+        if split and split[1] in kinds:
+            try:
+                jobs.setdefault(split[0], {})[split[1]] = decode(kinds[split[1]], kv.value)
+            except MessageError:
+                continue
+    used: Counter[str] = Counter()
+    rows = []
+    for name, view in sorted(jobs.items()):
+        status, alloc = view.get("status"), view.get("allocation")
+        spec, hints = view.get("spec"), view.get("hints")
+        state = status.state if status else "unknown"
+        placed = Counter(alloc.nodes) if alloc and not (status and status.finished) else Counter()
+        used.update(placed)
+        fig = job_figures(hints) if hints else {}
+        rows.append([
+            name, state,
+            ",".join(f"{n}:{k}" for n, k in sorted(placed.items())) or "-",
+            str(fig.get("batch") or "-") if hints else "-",
+            _fmt(fig.get("efficiency"), ".2f"), _fmt(fig.get("goodput"), ".0f"),
+            _fmt(fig.get("speedup"), ".2f"),
+            str(max(0, alloc.version - 1)) if alloc else "0",
+            _age(now - spec.submit_time) if spec else "-",
+        ])
+    node_rows = [[n.name, str(n.slots), str(used[n.name]), str(max(0, n.slots - used[n.name]))]
+                 for n in sorted(nodes.values(), key=lambda n: n.name)]
+    out = [_table(["NODE", "SLOTS", "USED", "FREE"], node_rows or [["(no nodes)", "", "", ""]])]
+    out.append(_table(
+        ["JOB", "STATE", "GPUS PER NODE", "BATCH", "EFF", "GOODPUT", "SPEEDUP", "REALLOCS",
+         "AGE"], rows or [["(no jobs)"] + [""] * 8]))
+    return "\n\n".join(out)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _age(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 \
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in [header, *rows])
+
+
+# -- subcommands ---------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--watch", action="store_true", help="refresh every --every seconds")
+    parser.add_argument("--every", type=float, default=2.0, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace, stdout: IO[str] | None = None) -> int:
+    stdout = stdout or sys.stdout
+    store, _ = open_from_args(args)
+    with store:
+        while True:
+            text = render(store)
+            if args.watch:
+                stdout.write("\x1b[2J\x1b[H")
+            print(text, file=stdout, flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.every)

@@ -1,0 +1,78 @@
+"""Store flags shared by every subcommand that talks to the cluster.
+
+TLS and auth options pass through to the etcd client. A password is never taken on the
+command line (it would show in ``ps``): it comes from ``--password-file`` or the
+``POLLUX_STORE_PASSWORD`` environment variable, and is never logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..rendezvous.store import Store, StoreError, open_store
+
+DEFAULT_URL = "embedded://"
+PASSWORD_ENV = "POLLUX_STORE_PASSWORD"
+
+
+def add_store_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    g = parser.add_argument_group("store")
+    g.add_argument("--store", default=default,
+                   help="etcd://host:port[,host:port...] or embedded:///path "
+                   f"(default: {default or 'an embedded store on this machine'})")
+    g.add_argument("--store-prefix", default="/pollux", help="key prefix of this cluster")
+    g.add_argument("--ca-cert", help="etcd TLS: CA certificate file")
+    g.add_argument("--cert", dest="cert_cert", help="etcd TLS: client certificate file")
+    g.add_argument("--key", dest="cert_key", help="etcd TLS: client key file")
+    g.add_argument("--user", help="etcd user name")
+    g.add_argument("--password-file", help=f"etcd password file (or ${PASSWORD_ENV})")
+
+
+def store_options(ns: argparse.Namespace) -> dict[str, object]:
+    """Backend options from the flags (only those given)."""
+    opts: dict[str, object] = {}
+    for name in ("ca_cert", "cert_cert", "cert_key", "user"):
+        value = getattr(ns, name, None)
+        if value:
+            opts[name] = value
+    password = None
+    if getattr(ns, "password_file", None):
+        try:
+            password = Path(ns.password_file).read_text().strip()
+        except OSError as exc:
+            raise StoreError(f"--password-file {ns.password_file}: {exc.strerror}") from None
+    password = password or os.environ.get(PASSWORD_ENV)
+    if password:
+        opts["password"] = password
+    return opts
+
+
+def store_options_from_env() -> dict[str, object]:
+    """A worker's store options, from what ``worker_store_env`` passed it."""
+    ns = argparse.Namespace(
+        ca_cert=os.environ.get("POLLUX_STORE_CA_CERT"),
+        cert_cert=os.environ.get("POLLUX_STORE_CERT"),
+        cert_key=os.environ.get("POLLUX_STORE_KEY"),
+        user=os.environ.get("POLLUX_STORE_USER"),
+        password_file=os.environ.get("POLLUX_STORE_PASSWORD_FILE"),
+    )
+    return store_options(ns)
+
+
+def open_from_args(ns: argparse.Namespace) -> tuple[Store, str]:
+    url = getattr(ns, "store", None) or DEFAULT_URL
+    return open_store(url, ns.store_prefix, **store_options(ns)), url
+
+
+def worker_store_env(ns: argparse.Namespace) -> dict[str, str]:
+    """Environment that lets workers open the same store (no password: see module doc)."""
+    env = {}
+    for name, var in (("ca_cert", "POLLUX_STORE_CA_CERT"), ("cert_cert", "POLLUX_STORE_CERT"),
+                      ("cert_key", "POLLUX_STORE_KEY"), ("user", "POLLUX_STORE_USER"),
+                      ("password_file", "POLLUX_STORE_PASSWORD_FILE")):
+        value = getattr(ns, name, None)
+        if value:
+            env[var] = value
+    return env

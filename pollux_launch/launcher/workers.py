@@ -1,0 +1,151 @@
+"""Worker processes of one job on one node: start, prefix their output, reap, stop.
+
+Output is prefixed like horovodrun's (``[3]<stdout>:line``) with the worker's index
+(its start order within the job on this node's launcher, equal to its first rank on a
+single node), and optionally also written to ``<output_dir>/<job>/rank.<index>/``.
+
+A worker's end is classified by :func:`classify_exit`: exit 0 while its replica is still
+allocated means the training script finished; exit 0 after its replica was removed is a
+clean departure from a rescale; death by a signal means the worker was lost (the job's
+survivors go on); any other exit code means the script failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal
+
+ExitKind = Literal["finished", "departed", "lost", "failed"]
+
+
+def classify_exit(returncode: int, still_allocated: bool) -> ExitKind:
+    if returncode < 0:
+        return "lost"
+    if returncode == 0:
+        return "finished" if still_allocated else "departed"
+    return "failed"
+
+
+@dataclass
+class Worker:
+    index: int
+    worker_id: str
+    proc: subprocess.Popen
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+
+class WorkerGroup:
+    """The workers of one job on this node."""
+
+    def __init__(
+        self,
+        job: str,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | None = None,
+        output_dir: str | None = None,
+        stdout: IO[str] | None = None,
+        prefix_output: bool = True,
+    ) -> None:
+        self.job, self.command, self.env, self.cwd = job, list(command), dict(env), cwd
+        self.output_dir = Path(output_dir) if output_dir else None
+        self.stdout = stdout or sys.stdout
+        self.prefix_output = prefix_output
+        self.workers: dict[str, Worker] = {}
+        self._next_index = 0
+        self._lock = threading.Lock()
+
+    def start(self, worker_id: str, extra_env: Mapping[str, str]) -> Worker:
+        """Start one worker; raises OSError (one line) if the command cannot run."""
+        index = self._next_index
+        self._next_index += 1
+        env = {**os.environ, **self.env, **extra_env}
+        proc = subprocess.Popen(
+            self.command, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            start_new_session=True,  # so that stop() can signal the worker's whole tree
+            preexec_fn=_die_with_parent,
+        )
+        worker = Worker(index, worker_id, proc)
+        for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            thread = threading.Thread(target=self._pump, args=(worker, name, pipe), daemon=True)
+            thread.start()
+            worker.threads.append(thread)
+        self.workers[worker_id] = worker
+        return worker
+
+    def _pump(self, worker: Worker, name: str, pipe: IO[str]) -> None:
+        log = None
+        if self.output_dir is not None:
+            folder = self.output_dir / self.job / f"rank.{worker.index}"
+            folder.mkdir(parents=True, exist_ok=True)
+            log = open(folder / name, "a", buffering=1)
+        prefix = f"[{worker.index}]<{name}>:" if self.prefix_output else ""
+        try:
+            for line in pipe:
+                if log is not None:
+                    log.write(line)
+                with self._lock:
+                    self.stdout.write(prefix + line)
+                    self.stdout.flush()
+        finally:
+            if log is not None:
+                log.close()
+
+    def reap(self) -> list[tuple[Worker, int]]:
+        """Workers that ended since the last call, with their return codes."""
+        ended = []
+        for wid, worker in list(self.workers.items()):
+            code = worker.poll()
+            if code is not None:
+                for thread in worker.threads:
+                    thread.join(timeout=1.0)
+                del self.workers[wid]
+                ended.append((worker, code))
+        return ended
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.poll() is None]
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every worker's process group, SIGKILL what is left after ``grace``."""
+        for worker in self.alive():
+            _signal_group(worker.proc, signal.SIGTERM)
+        for worker in list(self.workers.values()):
+            try:
+                worker.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(worker.proc, signal.SIGKILL)
+                worker.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the launching thread dies, so a
+    killed node agent takes its workers along, as a failed node would (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
