@@ -1,0 +1,159 @@
+"""How fast each store backend answers: operation latency, cross-process wake-up of
+``wait``, and how long after its TTL a dead member's lease is noticed.
+
+    python benchmarks/store_latency.py [--store embedded|etcd|both] [--etcd-url etcd://...]
+
+Without --etcd-url a temporary etcd (/usr/bin/etcd, loopback, heartbeat 50 ms so that
+1 s leases are allowed) is started and removed. The LAST line printed is one JSON object
+{"<store>": {"put_ms", "get_ms", "txn_ms", "wait_wake_ms", "wait_wake_p95_ms",
+"lease_notice_after_ttl_s"}, ...}; times are medians unless named p95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from pollux_launch.rendezvous.store import open_store
+from tqdm import tqdm
+
+WAKES = 40
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def temporary_etcd():
+    etcd = shutil.which("etcd") or "/usr/bin/etcd"
+    with tempfile.TemporaryDirectory(prefix="pollux-bench-etcd-") as tmp:
+        client, peer = f"http://127.0.0.1:{_port()}", f"http://127.0.0.1:{_port()}"
+        proc = subprocess.Popen(
+            [etcd, "--name", "bench", "--data-dir", f"{tmp}/data",
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"bench={peer}", "--heartbeat-interval", "50",
+             "--election-timeout", "500", "--log-level", "error", "--logger", "zap"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(400):
+                try:
+                    with urllib.request.urlopen(f"{client}/health", timeout=1):
+                        break
+                except OSError:
+                    time.sleep(0.05)
+            yield "etcd://" + client.split("//")[1]
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
+def _ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1000, 3)
+
+
+def _waiter(url: str, prefix: str, after: int, n: int, ready, out) -> None:
+    with open_store(url, prefix) as store:
+        ready.set()
+        lat = []
+        while len(lat) < n:
+            events = store.wait("wake/", after, 30)
+            now = time.time()
+            lat += [now - float(e.value) for e in events]
+            after = events[-1].revision
+        out.put(lat)
+
+
+def _lease_holder(url: str, prefix: str, out) -> None:
+    with open_store(url, prefix) as store:
+        lease = store.lease_grant(1)
+        store.put("member", "1", lease=lease)
+        out.put(time.time())  # then never refreshed
+
+
+def measure(url: str, bar: tqdm) -> dict:
+    prefix = f"/bench-{uuid.uuid4().hex[:8]}"
+    ctx = mp.get_context("spawn")
+    result = {}
+    with open_store(url, prefix) as store:
+        for name, op in (("put_ms", lambda i: store.put(f"k/{i % 10}", "1")),
+                         ("get_ms", lambda i: store.get(f"k/{i % 10}")),
+                         ("txn_ms", lambda i: store.create(f"c/{i}", "1"))):
+            samples = []
+            for i in range(200):
+                t0 = time.perf_counter()
+                op(i)
+                samples.append(time.perf_counter() - t0)
+            result[name] = _ms(samples)
+        bar.update()
+
+        ready, out = ctx.Event(), ctx.Queue()
+        p = ctx.Process(target=_waiter, args=(url, prefix, store.revision(), WAKES, ready, out))
+        p.start()
+        ready.wait(60)
+        time.sleep(0.5)
+        for _ in range(WAKES):
+            store.put("wake/x", repr(time.time()))
+            time.sleep(0.03)
+        lat = sorted(out.get(timeout=60))
+        p.join()
+        result["wait_wake_ms"] = _ms(lat)
+        result["wait_wake_p95_ms"] = round(lat[int(0.95 * (len(lat) - 1))] * 1000, 3)
+        bar.update()
+
+        notices = []
+        for _ in range(3):
+            rev = store.revision()
+            p = ctx.Process(target=_lease_holder, args=(url, prefix, out))
+            p.start()
+            granted = out.get(timeout=60)
+            p.join()
+            while True:
+                events = store.wait("member", rev, 30)
+                rev = events[-1].revision if events else rev
+                if any(e.kind == "delete" for e in events):
+                    break
+            notices.append(time.time() - granted - 1.0)
+        result["lease_notice_after_ttl_s"] = round(statistics.median(notices), 3)
+        bar.update()
+        store.delete("", prefix=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", choices=["embedded", "etcd", "both"], default="both")
+    ap.add_argument("--etcd-url", help="use this etcd instead of starting a temporary one")
+    args = ap.parse_args()
+    stores = ["embedded", "etcd"] if args.store == "both" else [args.store]
+    figures = {}
+    with tempfile.TemporaryDirectory(prefix="pollux-bench-") as tmp:
+        for name in stores:
+            with tqdm(total=3, desc=name, leave=False) as bar:
+                if name == "embedded":
+                    figures[name] = measure(f"embedded://{Path(tmp) / 'store.db'}", bar)
+                elif args.etcd_url:
+                    figures[name] = measure(args.etcd_url, bar)
+                else:
+                    with temporary_etcd() as url:
+                        figures[name] = measure(url, bar)
+            print(f"{name:9s} " + "  ".join(f"{k}={v}" for k, v in figures[name].items()))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Shared store fixtures: a real etcd server and store URLs for both backends.
+
+* ``etcd_server``   one etcd (Debian's /usr/bin/etcd) for the whole session, loopback only;
+                    tests isolate themselves with their own key prefix (``store_prefix``).
+* ``etcd_private``  a fresh etcd for one test, for tests that kill and restart it
+                    (``.kill()``, ``.start()``, ``.restart()``: same ports, same data dir).
+* ``etcd_factory``  ``start(tls=None)`` -> another fresh etcd, stopped after the test.
+* ``etcd_certs``    a folder with a throw-away CA, server and client certificates.
+* ``store_url``     parametrised: an embedded file under tmp_path, then the session etcd.
+* ``store_prefix``  a cluster prefix unique to the test.
+* ``store``         ``open_store(store_url, store_prefix)``, closed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """A single-member etcd on loopback with its own data dir and random free ports.
+
+    Heartbeat 50 ms / election 500 ms, so that the minimum lease TTL is 1 s (etcd's is
+    1.5 x election timeout, rounded up to whole seconds; 2 s with the defaults).
+    ``kill()`` sends SIGKILL; ``start()`` again reuses the same ports and data dir.
+    ``tls``: a folder with ca.pem, server.pem/.key and client.pem/.key (``make_certs``)
+    makes the client port speak TLS and require a client certificate.
+    """
+
+    def __init__(self, data_dir: str | Path, tls: Path | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.tls = tls
+        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 30.0) -> EtcdServer:
+        client = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [ETCD, "--name", "pollux-test", "--data-dir", str(self.data_dir / "etcd"),
+               "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"pollux-test={peer}",
+               "--heartbeat-interval", "50", "--election-timeout", "500",
+               "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"]
+        context = None
+        if self.tls:
+            cmd += ["--cert-file", str(self.tls / "server.pem"),
+                    "--key-file", str(self.tls / "server.key"),
+                    "--trusted-ca-file", str(self.tls / "ca.pem"), "--client-cert-auth"]
+            context = ssl.create_default_context(cafile=self.tls / "ca.pem")
+            context.load_cert_chain(self.tls / "client.pem", self.tls / "client.key")
+        log = open(self.data_dir / "etcd.log", "ab")  # handed to etcd, closed below
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see "
+                                   f"{self.data_dir / 'etcd.log'}")
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1, context=context) as r:
+                    if b'"true"' in r.read():
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd did not become healthy in {timeout} s")
+
+    def kill(self) -> None:
+        """SIGKILL the server (the data dir stays; ``start()`` brings it back)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+def make_certs(folder: Path) -> Path:
+    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def ssl_cmd(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl_cmd("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=pollux-test-ca")
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        (folder / f"{name}.ext").write_text(ext + "\n")
+        ssl_cmd("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN={name}")
+        ssl_cmd("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
+                "-extfile", f"{name}.ext")
+    return folder
+
+
+def start_etcd(data_dir: Path, tls: Path | None = None) -> EtcdServer:
+    """Start an ``EtcdServer`` under ``data_dir`` (skips the test if etcd is missing)."""
+    if not os.access(ETCD, os.X_OK):
+        pytest.skip("etcd is not installed (scripts/test.sh installs Debian's etcd-server)")
+    for attempt in range(3):  # a free port may be taken between choosing and binding
+        server = EtcdServer(data_dir / f"try{attempt}", tls)
+        server.data_dir.mkdir(parents=True)
+        try:
+            return server.start()
+        except RuntimeError:
+            server.stop()
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    """One etcd for the session; isolate tests by key prefix."""
+    with tempfile.TemporaryDirectory(prefix="pollux-etcd-") as tmp:
+        server = start_etcd(Path(tmp))
+        yield server
+        server.stop()
+
+
+@pytest.fixture
+def etcd_factory(tmp_path):
+    """``start(tls=None)``: a fresh etcd for this test (TLS with ``etcd_certs``)."""
+    servers: list[EtcdServer] = []
+
+    def start(tls: Path | None = None) -> EtcdServer:
+        servers.append(start_etcd(tmp_path / f"etcd{len(servers)}", tls))
+        return servers[-1]
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def etcd_private(etcd_factory):
+    """A fresh etcd for one test (to kill and restart on the same data dir)."""
+    return etcd_factory()
+
+
+@pytest.fixture
+def etcd_certs(tmp_path) -> Path:
+    return make_certs(tmp_path / "certs")
+
+
+@pytest.fixture(params=["embedded", "etcd"])
+def store_url(request, tmp_path) -> str:
+    if request.param == "embedded":
+        return f"embedded://{tmp_path / 'store.db'}"
+    return request.getfixturevalue("etcd_server").url
+
+
+@pytest.fixture
+def store_prefix() -> str:
+    return f"/pollux-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def store(store_url, store_prefix):
+    from pollux_launch.rendezvous.store import open_store
+
+    s = open_store(store_url, store_prefix, timeout=10)
+    yield s
+    s.close()
