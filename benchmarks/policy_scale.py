@@ -1,0 +1,268 @@
+"""Time one PolluxSched round on an N-GPU cluster, for every policy engine.
+
+    python benchmarks/policy_scale.py --gpus 64 [--repeats 5] [--ga-gens 100] [--ga-pop 100]
+
+The cluster has 4 GPUs per node and about one active job per 2.5 GPUs (the Pollux
+workloads at their busiest). Jobs are drawn from the six trace models; each job's
+speedup function is the goodput core's ``SpeedupFunction`` (throughput model fitted to the
+model's placements.csv, gradient statistics from its validation CSVs at the job's epoch),
+built fresh for every timed solve so its memo starts cold as after a refit;
+``--speedup trace-table`` (or a missing goodput core) uses a table of the traces'
+ground-truth goodput instead. The round's ``current`` allocation is a previous round's
+answer with 10 % of the jobs finished and as many new arrivals, so both re-allocation
+penalties and new jobs matter. Every engine solves the same round; fitness is FITNESS_p
+(Eqn 14) of its answer.
+
+Prints a table and, as the LAST line, one JSON object:
+{"gpus", "jobs", "policies": {name: {"solve_ms_median", "fitness", ...}}, "default",
+ "default_solve_ms_median", "default_fitness_ratio"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from pollux_launch.policy import (
+    DEFAULT_POLICY,
+    JobInfo,
+    PolicyNode,
+    check_allocation,
+    evaluate_fitness,
+    make_policy,
+)
+
+SLOTS = 4
+MAX_TABLE_NODES = 16  # the trace measurements cover up to 16 nodes
+
+
+@dataclass(frozen=True)
+class TableSpeedup:
+    """speedup(num_nodes, num_replicas) read from a precomputed goodput table."""
+
+    table: np.ndarray  # (MAX_TABLE_NODES + 1, K + 1); row 0 and column 0 are zero
+
+    def __call__(self, num_nodes, num_replicas):
+        n = np.clip(np.asarray(num_nodes), 0, self.table.shape[0] - 1)
+        k = np.asarray(num_replicas)
+        ok = (k >= 0) & (k < self.table.shape[1])
+        return np.where(ok, self.table[n, np.clip(k, 0, self.table.shape[1] - 1)], 0.0)
+
+
+def _placement(n: int, k: int) -> tuple[int, ...]:
+    n = max(min(n, k), -(-k // SLOTS))
+    base, rem = divmod(k, n)
+    return tuple([base + 1] * rem + [base] * (n - rem))
+
+
+@functools.cache
+def trace_table(model: str, epoch: int) -> tuple[np.ndarray, int]:
+    """Ground-truth goodput table of one model at one epoch, normalised to 1 GPU."""
+    from pollux_launch.sim import traces
+
+    tr = traces.load_model(model)
+    kmax = min(tr.max_replicas, tr.max_batch_size // tr.min_local_bsz)
+    kmax = min(kmax, getattr(traces, "PINNED_MAX_REPLICAS", {}).get(model, kmax))
+    bsz = np.unique(np.geomspace(tr.min_local_bsz, tr.max_local_bsz, 10).round())
+    table = np.zeros((MAX_TABLE_NODES + 1, kmax + 1))
+    for k in range(1, kmax + 1):
+        b = bsz[bsz * k <= tr.max_batch_size]
+        if b.size == 0:
+            continue
+        eff = tr.efficiency(b * k, epoch)
+        for n in range(1, min(k, MAX_TABLE_NODES) + 1):
+            step, _ = tr.step_times(_placement(n, k), b)
+            table[n, k] = np.max(b * k / step * eff)
+    table /= table[1, 1]
+    return table, kmax
+
+
+@functools.cache
+def _goodput_model(model: str):
+    """Throughput parameters fitted to the model's placements.csv (goodput core)."""
+    from pollux_launch import goodput
+    from pollux_launch.sim import traces
+
+    tr = traces.load_model(model)
+    cols: dict[str, list] = {"n": [], "k": [], "b": [], "step": [], "sync": []}
+    for placement, (bsz, step, sync) in tr.placement_tables.items():
+        cols["n"] += [len(placement)] * len(bsz)
+        cols["k"] += [sum(placement)] * len(bsz)
+        cols["b"] += list(bsz)
+        cols["step"] += list(step)
+        cols["sync"] += list(sync)
+    c = {key: np.asarray(v, dtype=float) for key, v in cols.items()}
+    perf = goodput.fit_perf_params(
+        c["n"], c["k"], c["b"], np.zeros_like(c["b"]), c["step"], c["sync"]
+    )
+    return tr, perf
+
+
+def goodput_core_speedup(model: str, epoch: int):
+    """A fresh goodput-core SpeedupFunction for a model at an epoch, or None."""
+    try:
+        from pollux_launch import goodput
+
+        tr, perf = _goodput_model(model)
+    except (ImportError, AttributeError):
+        return None
+    sqr, var = tr.grad_stats(tr.init_batch_size, epoch)
+    fn = goodput.GoodputFunction(
+        perf, goodput.GradParams(float(sqr), float(var)), tr.init_batch_size
+    )
+    return goodput.SpeedupFunction(
+        fn, tr.max_batch_size, (tr.min_local_bsz, tr.max_local_bsz), accumulation=True
+    )
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    model: str
+    epoch: int
+    age: float
+    restarts: int
+
+
+def make_jobs(specs: list[JobSpec], source: str) -> tuple[list[JobInfo], str]:
+    """Fresh JobInfo objects (fresh, cold speedup memos, as after each round's refit)."""
+    jobs, used = [], source
+    for spec in specs:
+        fn = goodput_core_speedup(spec.model, spec.epoch) if source != "trace-table" else None
+        table, kmax = trace_table(spec.model, spec.epoch) if fn is None else (None, 0)
+        if fn is None:
+            used, fn = "trace-table", TableSpeedup(table)
+        else:
+            used = "goodput-core"
+            tr, _ = _goodput_model(spec.model)
+            kmax = min(tr.max_replicas, tr.max_batch_size // tr.min_local_bsz)
+        if spec.model == "ncf":  # ncf jobs ran on one GPU in the Pollux workloads
+            kmax = 1
+        jobs.append(JobInfo(spec.name, fn, spec.age, spec.restarts, max_replicas=max(kmax, 1)))
+    return jobs, used
+
+
+def build_round(gpus: int, seed: int, source: str):
+    """One busy round: specs of the active jobs, the nodes, and the current allocation."""
+    from pollux_launch.sim import traces
+
+    rng = np.random.default_rng(seed)
+    nodes = [PolicyNode(f"node{i}", SLOTS) for i in range(gpus // SLOTS)]
+    models = traces.available_models()
+    n_jobs = max(1, round(gpus / 2.5))
+
+    def spec(i: int, age: float) -> JobSpec:
+        model = models[int(rng.integers(len(models)))]
+        epoch = int(rng.choice([0, traces.MAX_EPOCHS.get(model, 10) // 2]))
+        restarts = int(rng.integers(0, 4)) if age > 0 else 0
+        return JobSpec(f"{model}-{i}", model, epoch, age, restarts)
+
+    specs = [spec(i, float(rng.uniform(600, 4 * 3600))) for i in range(n_jobs)]
+    jobs, _ = make_jobs(specs, source)
+    prev = make_policy(DEFAULT_POLICY).optimize(
+        jobs, nodes, np.zeros((n_jobs, len(nodes)), dtype=np.int64)
+    )
+    # 10 % of jobs finish, as many arrive: the timed round.
+    done = set(rng.choice(n_jobs, size=n_jobs // 10, replace=False).tolist())
+    keep = [j for j in range(n_jobs) if j not in done]
+    specs = [specs[j] for j in keep] + [spec(n_jobs + i, 0.0) for i in range(len(done))]
+    current = np.vstack([prev[keep], np.zeros((len(done), len(nodes)), dtype=np.int64)])
+    return specs, nodes, current
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", type=int, default=64, help="cluster size (multiple of 4)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed solves per fast policy")
+    ap.add_argument("--ga-repeats", type=int, default=1, help="timed solves of pollux-ga")
+    ap.add_argument("--ga-pop", type=int, default=100, help="GA population (paper: 100)")
+    ap.add_argument("--ga-gens", type=int, default=100, help="GA generations (paper: 100)")
+    ap.add_argument(
+        "--ga-warmup",
+        type=int,
+        default=2,
+        help="untimed GA rounds before each timed one, so that it runs warm-started as in "
+        "steady operation (each round re-seeds its population from the previous one)",
+    )
+    ap.add_argument("--p", type=float, default=-1.0, help="fairness exponent of Eqn 14")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--speedup",
+        choices=["auto", "trace-table"],
+        default="auto",
+        help="speedup functions: the goodput core when available (auto) or trace tables",
+    )
+    args = ap.parse_args(argv)
+    if args.gpus < SLOTS or args.gpus % SLOTS:
+        ap.error(f"--gpus must be a positive multiple of {SLOTS}")
+    specs, nodes, current = build_round(args.gpus, args.seed, args.speedup)
+    jobs, source = make_jobs(specs, args.speedup)
+    engines = {
+        DEFAULT_POLICY: ({}, args.repeats, 0),
+        "pollux-ga": (
+            {"pop_size": args.ga_pop, "n_gen": args.ga_gens},
+            args.ga_repeats,
+            args.ga_warmup,
+        ),
+    }
+    results = {}
+    total = sum(r * (1 + w) for _, r, w in engines.values())
+    bar = tqdm(total=total, desc="solving", file=sys.stderr)
+    for name, (opts, repeats, warmup) in engines.items():
+        times, cpu, fits = [], [], []
+        for r in range(repeats):
+            pol = make_policy(name, p=args.p, seed=args.seed + r, **opts)
+            for _ in range(warmup):
+                pol.optimize(make_jobs(specs, args.speedup)[0], nodes, current)
+                bar.update()
+            jobs, _ = make_jobs(specs, args.speedup)
+            t0, c0 = time.perf_counter(), time.process_time()
+            alloc = pol.optimize(jobs, nodes, current)
+            times.append((time.perf_counter() - t0) * 1000)
+            cpu.append((time.process_time() - c0) * 1000)
+            check_allocation(alloc, nodes, jobs, current)
+            fits.append(evaluate_fitness(jobs, nodes, alloc, current, args.p))
+            bar.update()
+        results[name] = {
+            "solve_ms_median": round(statistics.median(times), 2),
+            # CPU time too: on a shared machine wall time includes waiting for a core.
+            "solve_cpu_ms_median": round(statistics.median(cpu), 2),
+            "fitness": round(float(statistics.median(fits)), 6),
+            "gpus_allocated": int(alloc.sum()),
+            "repeats": repeats,
+            **({"pop_size": opts["pop_size"], "n_gen": opts["n_gen"]} if opts else {}),
+            **({"warmup_rounds": warmup} if warmup else {}),
+        }
+    bar.close()
+    ga_fit = results["pollux-ga"]["fitness"]
+    print(f"{'policy':<12}{'solve_ms':>12}{'fitness':>12}{'gpus':>8}")
+    for name, r in results.items():
+        print(
+            f"{name:<12}{r['solve_ms_median']:>12.1f}{r['fitness']:>12.4f}{r['gpus_allocated']:>8}"
+        )
+    out = {
+        "gpus": args.gpus,
+        "jobs": len(jobs),
+        "speedup_source": source,
+        "policies": results,
+        "default": DEFAULT_POLICY,
+        "default_solve_ms_median": results[DEFAULT_POLICY]["solve_ms_median"],
+        "default_fitness_ratio": round(results[DEFAULT_POLICY]["fitness"] / ga_fit, 4)
+        if ga_fit > 0
+        else math.inf,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""``pollux-dp``: exact GPU counts by dynamic programming, then packing onto nodes.
+
+For p < 0, maximising FITNESS_p (Eqn 14) is minimising sum_j SPEEDUP_j^p, and for p > 0
+maximising sum_j SPEEDUP_j^p: either way the objective is separable per job, so once
+each job's speedup is tabulated against its GPU count (at the node count a packed
+placement of that many GPUs needs), choosing the counts is a multiple-choice knapsack
+over jobs x GPUs (as in Saxena et al., "Effective Elastic Scaling of Deep Learning
+Workloads"). The re-allocation penalty enters the table: a job's current count keeps its
+current placement unpenalised. The counts are then packed onto nodes honouring
+capacities, interference avoidance and non-preemptible jobs, and left-over slots are
+offered greedily to jobs that gain from them.
+
+The knapsack is solved exactly over every count when that is cheap (J * G^2 small);
+on large clusters a Lagrangian relaxation first finds near-optimal counts, and the
+exact DP then searches a window of counts around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pollux_launch.policy.base import JobInfo, Policy, PolicyNode
+from pollux_launch.policy.objective import (
+    Objective,
+    call_speedup,
+    check_p,
+    fair_share,
+    packed_nodes,
+)
+from pollux_launch.policy.placement import (
+    allocation_violations,
+    distributed_per_node,
+    pinned_jobs,
+    place_job,
+    validate_round,
+)
+
+# log-space headroom for the scaled costs exp(p*log(s+eps) - C): the largest cost is
+# e^600, so sums of many stay finite and the smallest still resolvable is ~e^-745.
+_LOG_HEADROOM = 600.0
+
+
+class DPPolicy(Policy):
+    """Knapsack DP over GPU counts + packing (see module docstring)."""
+
+    name = "pollux-dp"
+
+    def __init__(
+        self,
+        p: float = -1.0,
+        delta: float = 30.0,
+        interference_avoidance: bool = True,
+        seed: int = 0,
+        full_dp_budget: int = 4_000_000,
+        window: int = 8,
+    ) -> None:
+        self.p = check_p(p)
+        if delta < 0:
+            raise ValueError(f"re-allocation delay delta={delta} must be >= 0 seconds")
+        self.delta = float(delta)
+        self.interference_avoidance = bool(interference_avoidance)
+        self.seed = seed  # deterministic engine; accepted for a uniform interface
+        self.full_dp_budget = int(full_dp_budget)
+        self.window = int(window)
+
+    # ----------------------------------------------------------------- tables
+    def _tables(self, obj: Objective, cur: np.ndarray, pinned: np.ndarray, stay_ok, G):
+        """Per job: allowed counts, their speedups, and the unpenalised stay speedup.
+
+        One ``speedup_fn`` call per job covers every count, the current placement and the
+        fair-share normaliser (Eqn 15), which is set on ``obj`` here.
+        """
+        jobs = obj.jobs
+        share = fair_share(jobs, [PolicyNode("", int(s)) for s in obj.slots])
+        ks_all, vals, stay_val = [], [], np.zeros(len(jobs))
+        for j, job in enumerate(jobs):
+            k_cur = int(cur[j].sum())
+            top = 0 if pinned[j] else min(job.max_replicas, G)
+            ks = np.arange(max(top, share[j]) + 1, dtype=np.int64)
+            nn = np.append(packed_nodes(ks, obj.slots), np.count_nonzero(cur[j]))
+            raw = call_speedup(job, nn, np.append(ks, k_cur))
+            best = float(np.max(raw[1 : share[j] + 1], initial=0.0))
+            obj.norm[j] = best if best > 0 else 1.0
+            if pinned[j]:
+                ks_all.append(np.array([k_cur]))
+                vals.append(np.zeros(1))
+                continue
+            v = raw[: top + 1] / obj.norm[j]
+            ks = ks[: top + 1]
+            ok = (ks == 0) | (ks >= max(job.min_replicas, 1))
+            ks, v = ks[ok], v[ok] * obj.penalty[j]  # every count is a move ...
+            if stay_ok[j]:  # ... except staying exactly where the job is
+                stay_val[j] = raw[-1] / obj.norm[j]
+                at = ks == k_cur
+                v[at] = np.maximum(v[at], stay_val[j])
+            ks_all.append(ks)
+            vals.append(v)
+        return ks_all, vals, stay_val
+
+    def _costs(self, vals: list[np.ndarray], eps: float) -> tuple[list[np.ndarray], float]:
+        """Scaled per-job costs to minimise: sign * exp(p*log(v+eps) - C)."""
+        z = [self.p * np.log(v + eps) for v in vals]
+        zmax = max((float(np.max(x)) for x in z if x.size), default=0.0)
+        shift = zmax - _LOG_HEADROOM
+        sign = 1.0 if self.p < 0 else -1.0
+        return [sign * np.exp(x - shift) for x in z], shift
+
+    # -------------------------------------------------------------- knapsack
+    @staticmethod
+    def _lagrangian(ks_all, costs, G) -> tuple[np.ndarray, np.ndarray]:
+        """Counts from min_k cost_j(k) + lam*k, bracketing sum k <= G (lo: may exceed)."""
+        J = len(ks_all)
+        width = max(len(k) for k in ks_all)
+        K = np.zeros((J, width), dtype=np.int64)
+        C = np.full((J, width), np.inf)
+        for j, (ks, c) in enumerate(zip(ks_all, costs, strict=True)):
+            K[j, : len(ks)] = ks
+            C[j, : len(ks)] = c
+        rows = np.arange(J)
+
+        def counts(lam: float) -> np.ndarray:
+            return K[rows, np.argmin(C + lam * K, axis=1)]
+
+        k0 = counts(0.0)
+        if k0.sum() <= G:
+            return k0, k0
+        finite = C[np.isfinite(C)]
+        lo, hi = -700.0, float(np.log(np.ptp(finite) + 1.0) + 1.0)  # log(lambda)
+        k_hi = counts(np.exp(hi))
+        k_lo = k0
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            k_mid = counts(np.exp(mid))
+            if k_mid.sum() <= G:
+                hi, k_hi = mid, k_mid
+            else:
+                lo, k_lo = mid, k_mid
+            if hi - lo < 1e-6:
+                break
+        return k_hi, k_lo
+
+    def _knapsack(self, ks_all, costs, G) -> np.ndarray:
+        """Exact multiple-choice knapsack DP: min sum cost, sum k <= G."""
+        J = len(ks_all)
+        work = sum(len(k) for k in ks_all) * (G + 1)
+        if work > self.full_dp_budget:
+            k_hi, k_lo = self._lagrangian(ks_all, costs, G)
+            w = self.window
+            cand_ks, cand_cs = [], []
+            for j, (ks, c) in enumerate(zip(ks_all, costs, strict=True)):
+                a = min(k_hi[j], k_lo[j])
+                b = max(k_hi[j], k_lo[j])
+                keep = (ks == 0) | (ks == ks[0]) | ((ks >= a - w - a // 4) & (ks <= b + w + b // 4))
+                cand_ks.append(ks[keep])
+                cand_cs.append(c[keep])
+            ks_all, costs = cand_ks, cand_cs
+        g = np.arange(G + 1)
+        dp = np.zeros(G + 1)
+        choice = []
+        for ks, c in zip(ks_all, costs, strict=True):
+            idx = g[:, None] - ks[None, :]
+            m = np.where(idx >= 0, dp[np.maximum(idx, 0)] + c[None, :], np.inf)
+            best = np.argmin(m, axis=1)
+            dp = m[g, best]
+            choice.append(best)
+        out = np.zeros(J, dtype=np.int64)
+        rem = G
+        for j in range(J - 1, -1, -1):
+            k = int(ks_all[j][choice[j][rem]])
+            out[j] = k
+            rem -= k
+        return out
+
+    # --------------------------------------------------------------- packing
+    def _row_cost(self, obj: Objective, j: int, rows: np.ndarray, cur_row: np.ndarray):
+        """Cost (lower is better) of candidate rows ``(M, N)`` for job ``j``."""
+        v = obj.job_speedup(
+            j,
+            np.count_nonzero(rows, axis=1),
+            rows.sum(axis=1),
+            np.any(rows != cur_row, axis=1),
+        )
+        z = self.p * np.log(v + obj.eps)
+        return np.exp(z) if self.p < 0 else -np.exp(z)
+
+    def _valid_count(self, job: JobInfo, k: int) -> bool:
+        return k == 0 or job.min_replicas <= k <= job.max_replicas
+
+    def _pack(self, obj, cur, counts, fixed, pinned):
+        jobs, slots = obj.jobs, obj.slots
+        ia = self.interference_avoidance
+        alloc = np.zeros_like(cur)
+        alloc[fixed] = cur[fixed]
+        free = slots - alloc.sum(axis=0)
+        has_dist = distributed_per_node(alloc) > 0
+        movers = [j for j in np.argsort(-counts, kind="stable") if not fixed[j] and counts[j]]
+        smax = int(slots.max())
+        for j in movers:
+            k = int(counts[j])
+            row = place_job(k, free, has_dist, cur[j], ia)
+            if row.sum() != k or np.count_nonzero(row) != packed_nodes(k, slots):
+                # Fragmented: compare placing fewer replicas (down to 0) by true cost.
+                tries = {k, 0, jobs[j].min_replicas, *range(max(1, k - 2 * smax), k)}
+                rows = [place_job(t, free, has_dist, cur[j], ia) for t in sorted(tries)]
+                rows = [r for r in rows if self._valid_count(jobs[j], int(r.sum()))]
+                rows = np.array(rows).reshape(len(rows), -1)
+                if rows.shape[0] == 0:
+                    continue
+                row = rows[int(np.argmin(self._row_cost(obj, j, rows, cur[j])))]
+            alloc[j] = row
+            free -= row
+            if np.count_nonzero(row) > 1:
+                has_dist |= row > 0
+        self._fill(obj, cur, alloc, free, pinned)
+        return alloc
+
+    def _fill(self, obj, cur, alloc, free, pinned) -> None:
+        """Offer left-over slots to jobs that gain from them (greedy, in place).
+
+        Candidates keep the job's set of nodes, or start a job on one node, so
+        interference avoidance cannot be broken.
+        """
+        jobs = obj.jobs
+        for _ in range(int(free.sum())):
+            open_nodes = np.flatnonzero(free > 0)
+            if open_nodes.size == 0:
+                return
+            best = (0.0, -1, None)
+            k_all = alloc.sum(axis=1)
+            near = (k_all == 0) | (alloc[:, open_nodes] > 0).any(axis=1)
+            for j in np.flatnonzero(near & ~pinned):
+                job = jobs[j]
+                row = alloc[j]
+                k = int(row.sum())
+                room = job.max_replicas - k
+                if room <= 0:
+                    continue
+                used = np.flatnonzero(row)
+                targets = open_nodes if k == 0 else np.intersect1d(used, open_nodes)
+                if used.size > 1 and not targets.size:
+                    continue
+                cands = []
+                for n in targets:
+                    for a in range(1, min(int(free[n]), room) + 1):
+                        if k + a < job.min_replicas:
+                            continue
+                        r = row.copy()
+                        r[n] += a
+                        cands.append(r)
+                if not cands:
+                    continue
+                rows = np.array(cands)
+                both = np.vstack([row[None, :], rows])
+                c = self._row_cost(obj, j, both, cur[j])
+                gain = c[1:] - c[0]
+                i = int(np.argmin(gain))
+                if gain[i] < best[0] - 1e-12 * abs(c[0]):
+                    best = (float(gain[i]), j, rows[i])
+            if best[1] < 0:
+                return
+            j, r = best[1], best[2]
+            free -= r - alloc[j]
+            alloc[j] = r
+
+    # -------------------------------------------------------------- optimize
+    def optimize(
+        self, jobs: Sequence[JobInfo], nodes: Sequence[PolicyNode], current: np.ndarray
+    ) -> np.ndarray:
+        cur = validate_round(jobs, nodes, current)
+        J, N = cur.shape
+        if J == 0 or N == 0:
+            return np.zeros((J, N), dtype=np.int64)
+        obj = Objective(jobs, nodes, cur, self.p, self.delta, norm=np.ones(J))
+        pinned = pinned_jobs(jobs, cur)
+        free = np.maximum(obj.slots - cur[pinned].sum(axis=0), 0)
+        G = int(free.sum())
+        # A job may stay put only where the current matrix is itself feasible.
+        over = cur.sum(axis=0) > obj.slots
+        if self.interference_avoidance:
+            over |= distributed_per_node(cur) > 1
+        stay_ok = np.array(
+            [
+                bool(cur[j].sum())
+                and self._valid_count(job, int(cur[j].sum()))
+                and not np.any(over & (cur[j] > 0))
+                for j, job in enumerate(jobs)
+            ]
+        )
+        ks_all, vals, stay_val = self._tables(obj, cur, pinned, stay_ok, G)
+        costs, _ = self._costs(vals, obj.eps)
+        movable = np.flatnonzero(~pinned)
+        counts = cur.sum(axis=1).copy()
+        if movable.size:
+            counts[movable] = self._knapsack(
+                [ks_all[j] for j in movable], [costs[j] for j in movable], G
+            )
+        k_cur = cur.sum(axis=1)
+        stay = np.zeros(J, dtype=bool)
+        for j in movable:
+            if stay_ok[j] and counts[j] == k_cur[j]:
+                moved = vals[j][ks_all[j] == k_cur[j]]
+                stay[j] = stay_val[j] >= (moved[0] if moved.size else 0.0)
+        alloc = self._pack(obj, cur, counts, pinned | stay, pinned)
+        # Never worse than leaving everything as it is, when that is allowed.
+        if not allocation_violations(cur, nodes, jobs, cur, self.interference_avoidance):
+            f_cur, f_new = obj(np.stack([cur, alloc]))
+            if f_cur > f_new:
+                return cur.copy()
+        return alloc

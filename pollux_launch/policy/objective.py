@@ -1,0 +1,197 @@
+"""The PolluxSched objective: fair-share speedups, re-allocation penalty, FITNESS_p.
+
+All functions are pure and vectorised over a leading population axis: an allocation
+``alloc`` has shape ``(..., J, N)`` (replicas of job ``j`` on node ``n``).
+
+* Eqn 15: SPEEDUP_j(A_j) = GOODPUT_j(A_j) / GOODPUT_j(fair share); :func:`fair_share`
+  gives the fair-share allocation and :class:`Objective` the normalisers.
+* Re-allocation penalty (Sec. 4.2): a job whose allocation changes has its speedup scaled
+  by (T_j - R_j * delta) / (T_j + delta); see :func:`reallocation_penalty`.
+* Eqn 14: FITNESS_p(A) = (1/J * sum_j SPEEDUP_j(A_j)^p)^(1/p); see :func:`fitness`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pollux_launch.policy.base import JobInfo, PolicyNode
+
+#: Added to every speedup inside the power mean (as the Pollux artifact does) so that a
+#: job with no GPUs contributes a large finite term for p < 0 instead of an infinity:
+#: the search then still prefers allocations that start more jobs.
+SPEEDUP_EPS = 1e-3
+
+
+def check_p(p: float) -> float:
+    """Validate the fairness knob of Eqn 14."""
+    p = float(p)
+    if p == 0 or not np.isfinite(p):
+        raise ValueError(
+            f"fairness exponent p={p} is not allowed: use a finite non-zero value "
+            "(p=-1 is the Pollux default; p=1 maximises the plain sum of speedups)"
+        )
+    return p
+
+
+def fitness(speedups: np.ndarray, p: float = -1.0, eps: float = SPEEDUP_EPS) -> np.ndarray:
+    """FITNESS_p (Eqn 14): the power mean with exponent ``p`` over the last axis.
+
+    ``speedups`` has shape ``(..., J)``; the result has shape ``(...)``. Computed in log
+    space so that very negative ``p`` (towards max-min fairness) does not overflow.
+    With no jobs the fitness is 1.
+    """
+    p = check_p(p)
+    s = np.asarray(speedups, dtype=float)
+    if s.shape[-1] == 0:
+        return np.ones(s.shape[:-1])
+    z = p * np.log(np.maximum(s, 0.0) + eps)
+    zmax = np.max(z, axis=-1, keepdims=True)
+    log_mean = np.log(np.mean(np.exp(z - zmax), axis=-1)) + zmax[..., 0]
+    return np.exp(log_mean / p)
+
+
+def reallocation_penalty(
+    age: np.ndarray | float, restarts: np.ndarray | int, delta: float = 30.0
+) -> np.ndarray:
+    """Speedup factor for a job whose allocation changes: (T - R*delta) / (T + delta).
+
+    Clipped at 0. ``T <= 0`` marks a job that has not started yet: its first allocation
+    is not penalised (factor 1).
+    """
+    age = np.asarray(age, dtype=float)
+    restarts = np.asarray(restarts, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        factor = np.maximum(age - restarts * delta, 0.0) / (age + delta)
+    return np.where(age <= 0, 1.0, factor)
+
+
+def packed_nodes(num_replicas: np.ndarray | int, slots: Sequence[int]) -> np.ndarray:
+    """Fewest nodes that can host ``num_replicas`` replicas (biggest nodes first).
+
+    0 replicas -> 0 nodes; more replicas than the cluster holds -> every node.
+    """
+    k = np.asarray(num_replicas, dtype=np.int64)
+    cum = np.cumsum(np.sort(np.asarray(slots, dtype=np.int64))[::-1])
+    if cum.size == 0:
+        return np.zeros_like(k)
+    n = np.searchsorted(cum, k, side="left") + 1
+    return np.where(k <= 0, 0, np.minimum(n, cum.size)).astype(np.int64)
+
+
+def fair_share(jobs: Sequence[JobInfo], nodes: Sequence[PolicyNode]) -> np.ndarray:
+    """Each job's fair-share GPU count (Eqn 15): the cluster divided evenly, rounded up
+    (as the Pollux artifact does), at least 1 and at least ``min_replicas``."""
+    total = sum(int(n.slots) for n in nodes)
+    if not jobs:
+        return np.zeros(0, dtype=np.int64)
+    share = max(1, -(-total // len(jobs)))
+    return np.array([max(share, j.min_replicas, 1) for j in jobs], dtype=np.int64)
+
+
+def call_speedup(job: JobInfo, num_nodes: np.ndarray, num_replicas: np.ndarray) -> np.ndarray:
+    """Call ``job.speedup_fn`` and sanitise the result (0 at 0 replicas, finite, >= 0)."""
+    num_nodes = np.asarray(num_nodes, dtype=np.int64)
+    num_replicas = np.asarray(num_replicas, dtype=np.int64)
+    out = np.asarray(job.speedup_fn(num_nodes, num_replicas), dtype=float)
+    out = np.broadcast_to(out, num_replicas.shape)
+    return np.where((num_replicas > 0) & np.isfinite(out), np.maximum(out, 0.0), 0.0)
+
+
+def speedup_normalisers(jobs: Sequence[JobInfo], nodes: Sequence[PolicyNode]) -> np.ndarray:
+    """Raw speedup of each job at its fair share (the denominator of Eqn 15).
+
+    Taken as the best raw speedup with at most the fair-share GPU count, packed onto as
+    few nodes as possible: a job may use fewer GPUs than its share, and this keeps the
+    normaliser positive where a speedup model is not monotone. Falls back to 1.
+    """
+    slots = [int(n.slots) for n in nodes]
+    share = fair_share(jobs, nodes)
+    out = np.ones(len(jobs))
+    for j, job in enumerate(jobs):
+        k = np.arange(1, share[j] + 1)
+        best = float(np.max(call_speedup(job, packed_nodes(k, slots), k), initial=0.0))
+        if best > 0:
+            out[j] = best
+    return out
+
+
+class Objective:
+    """FITNESS_p of allocation matrices for one scheduling round.
+
+    Built once per round (normalisers and penalties are computed here), then called on
+    any number of candidate allocations of shape ``(..., J, N)``.
+    """
+
+    def __init__(
+        self,
+        jobs: Sequence[JobInfo],
+        nodes: Sequence[PolicyNode],
+        current: np.ndarray,
+        p: float = -1.0,
+        delta: float = 30.0,
+        eps: float = SPEEDUP_EPS,
+        norm: np.ndarray | None = None,
+    ) -> None:
+        self.jobs = list(jobs)
+        self.slots = np.array([int(n.slots) for n in nodes], dtype=np.int64)
+        self.current = np.asarray(current, dtype=np.int64).reshape(len(jobs), len(nodes))
+        self.p = check_p(p)
+        self.eps = eps
+        # ``norm`` lets a caller that has already tabulated the speedups pass them in.
+        self.norm = speedup_normalisers(jobs, nodes) if norm is None else np.asarray(norm)
+        self.penalty = reallocation_penalty(
+            np.array([j.age for j in jobs], dtype=float),
+            np.array([j.restarts for j in jobs], dtype=float),
+            delta,
+        )
+
+    def job_speedup(
+        self, j: int, num_nodes: np.ndarray, num_replicas: np.ndarray, changed: np.ndarray
+    ) -> np.ndarray:
+        """Normalised, penalised speedup of job ``j`` at the given placements."""
+        s = call_speedup(self.jobs[j], num_nodes, num_replicas) / self.norm[j]
+        return np.where(changed, s * self.penalty[j], s)
+
+    def speedups(self, alloc: np.ndarray) -> np.ndarray:
+        """Per-job speedups (Eqn 15 with the re-allocation penalty), shape ``(..., J)``."""
+        alloc = np.asarray(alloc)
+        num_nodes = np.count_nonzero(alloc, axis=-1)
+        num_replicas = alloc.sum(axis=-1)
+        changed = np.any(alloc != self.current, axis=-1)
+        out = np.zeros(num_replicas.shape)
+        for j in range(len(self.jobs)):
+            out[..., j] = self.job_speedup(
+                j, num_nodes[..., j], num_replicas[..., j], changed[..., j]
+            )
+        return out
+
+    def __call__(self, alloc: np.ndarray) -> np.ndarray:
+        """FITNESS_p (Eqn 14) of each allocation, shape ``(...)``."""
+        return fitness(self.speedups(alloc), self.p, self.eps)
+
+
+def job_speedups(
+    jobs: Sequence[JobInfo],
+    nodes: Sequence[PolicyNode],
+    alloc: np.ndarray,
+    current: np.ndarray,
+    delta: float = 30.0,
+) -> np.ndarray:
+    """Per-job speedups of ``alloc`` (fair-share normalised, penalised), shape ``(..., J)``."""
+    return Objective(jobs, nodes, current, -1.0, delta).speedups(alloc)
+
+
+def evaluate_fitness(
+    jobs: Sequence[JobInfo],
+    nodes: Sequence[PolicyNode],
+    alloc: np.ndarray,
+    current: np.ndarray,
+    p: float = -1.0,
+    delta: float = 30.0,
+) -> float | np.ndarray:
+    """FITNESS_p of ``alloc`` in the round described by ``(jobs, nodes, current)``:
+    the same number every engine maximises, so engines can be compared."""
+    out = Objective(jobs, nodes, current, p, delta)(alloc)
+    return float(out) if np.ndim(out) == 0 else out

@@ -1,0 +1,40 @@
+"""Policy engines by name (as torch.distributed.elastic picks rendezvous backends)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pollux_launch.policy.base import Policy
+
+
+def _dp(**options) -> Policy:
+    from pollux_launch.policy.dp import DPPolicy
+
+    return DPPolicy(**options)
+
+
+def _ga(**options) -> Policy:
+    from pollux_launch.policy.ga import GAPolicy
+
+    return GAPolicy(**options)
+
+
+#: name -> factory(**options). Common options: p (fairness, default -1), delta
+#: (re-allocation delay, default 30 s), interference_avoidance (default True), seed.
+POLICIES: dict[str, Callable[..., Policy]] = {"pollux-dp": _dp, "pollux-ga": _ga}
+
+#: The engine used when none is named: the DP finds fitter allocations far faster.
+DEFAULT_POLICY = "pollux-dp"
+
+
+def make_policy(name: str = DEFAULT_POLICY, **options) -> Policy:
+    """Build the policy engine called ``name`` with ``options``.
+
+    Raises ``ValueError`` for an unknown name or a bad option.
+    """
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(sorted(POLICIES))}")
+    try:
+        return POLICIES[name](**options)
+    except TypeError as err:  # unknown keyword
+        raise ValueError(f"bad option for policy {name!r}: {err}") from None
