@@ -100,6 +100,8 @@ class NodeAgent:
                 group = self.groups[name] = self._group(spec)
             for _ in range(want - len(group.alive())):
                 self._start_worker(spec, group)
+            if group.alive() and (status is None or status.state == "pending"):
+                self._set_status(name, JobStatus("running", None, "", self.clock()))
         for name, group in list(self.groups.items()):
             ended = group.reap()
             if not ended:
@@ -113,9 +115,9 @@ class NodeAgent:
                 self.exits.append((name, worker.worker_id, code))
                 log.info("job %s worker %s exited %d (%s)", name, worker.worker_id, code, kind)
                 if kind == "finished":
-                    self._finish(name, JobStatus("succeeded", 0, "", self.clock()))
+                    self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
                 elif kind == "failed":
-                    self._finish(name, JobStatus(
+                    self._set_status(name, JobStatus(
                         "failed", code, f"worker on {self.node.name} exited {code}", self.clock()))
                     group.stop(grace=5.0)
 
@@ -135,15 +137,15 @@ class NodeAgent:
         try:
             group.start(worker_id, env)
         except OSError as exc:
-            self._finish(spec.name, JobStatus(
+            self._set_status(spec.name, JobStatus(
                 "failed", 127, f"cannot start {spec.command[0]!r}: {exc.strerror}", self.clock()))
 
     def _group(self, spec: JobSpec) -> WorkerGroup:
         return WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
                            output_dir=self.output_dir, stdout=self.stdout)
 
-    def _finish(self, job: str, status: JobStatus) -> None:
-        """Record the job's end once: the first report wins."""
+    def _set_status(self, job: str, status: JobStatus) -> None:
+        """Move the job's state forward; a finished state is final (the first report wins)."""
         key = keys.job(job, "status")
         current = self.store.get(key)
         if current is not None:
