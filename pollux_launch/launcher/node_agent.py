@@ -79,7 +79,10 @@ class NodeAgent:
 
     # -- reconciliation --------------------------------------------------------------
     def step(self) -> None:
-        """One pass: start missing workers, reap ended ones, stop finished jobs."""
+        """One pass: reap ended workers (reporting the job's end), then start missing
+        workers and stop those of finished jobs. Reaping first means a worker that just
+        finished the job is never replaced."""
+        self._reap()
         jobs = self._read_jobs()
         for name, (spec, status, alloc, spec_text, signature) in jobs.items():
             want = alloc.nodes.count(self.node.name) if alloc else 0
@@ -102,6 +105,8 @@ class NodeAgent:
                 self._start_worker(spec, group)
             if group.alive() and (status is None or status.state == "pending"):
                 self._set_status(name, JobStatus("running", None, "", self.clock()))
+
+    def _reap(self) -> None:
         for name, group in list(self.groups.items()):
             ended = group.reap()
             if not ended:

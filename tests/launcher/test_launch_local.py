@@ -1,0 +1,89 @@
+"""pollux-run on one machine with the embedded store: real processes end to end."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pollux_launch import keys
+from pollux_launch.messages import JobSpec, encode
+from pollux_launch.rendezvous.store import open_store
+
+PYTHON = sys.executable
+POLLUX_RUN = str(Path(PYTHON).with_name("pollux-run"))
+
+
+def run(args, cwd, timeout=120):
+    return subprocess.run([POLLUX_RUN, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def store_url(tmp_path):
+    return f"embedded://{tmp_path}/store.db"
+
+
+def test_plain_job_runs_with_prefixed_output_and_exit_code(tmp_path, store_url):
+    (tmp_path / "job.py").write_text(
+        "import os\nprint('hello from', os.environ['POLLUX_JOB'], flush=True)\n")
+    out = run(["--store", store_url, "--job-name", "hello", "-np", "2", PYTHON, "job.py"],
+              tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert sum(line.endswith("<stdout>:hello from hello") for line in lines) == 2
+    assert {line[:3] for line in lines if "<stdout>" in line} == {"[0]", "[1]"}
+    assert "hello: succeeded, exit code 0" in out.stdout
+    with open_store(store_url) as store:  # a local job leaves nothing behind
+        assert store.get_prefix(keys.job("hello")) == []
+
+
+def test_failing_worker_sets_the_exit_code(tmp_path, store_url):
+    (tmp_path / "bad.py").write_text("import sys\nsys.exit(7)\n")
+    out = run(["--store", store_url, "-np", "1", PYTHON, "bad.py"], tmp_path)
+    assert out.returncode == 7
+    assert "failed, exit code 7" in out.stdout
+
+
+def test_bad_input_is_one_line_before_anything_starts(tmp_path, store_url):
+    for args, needle in [
+        (["-np", "99", PYTHON, "x.py"], "more than this machine"),
+        (["-np", "1", "no-such-program-xyz"], "not found"),
+        (["--store", "etcd://127.0.0.1:1", "-np", "1", PYTHON, "-c", "pass"], "etcd"),
+        (["--store", "bogus://x", "-np", "1", PYTHON, "-c", "pass"], "unknown store URL scheme"),
+        (["-H", "otherhost:2", "-np", "1", PYTHON, "-c", "pass"], "not this machine"),
+    ]:
+        out = run(["--store", store_url, *args] if "--store" not in args else args, tmp_path)
+        assert out.returncode == 2, (args, out)
+        assert out.stderr.strip().count("\n") == 0 and needle in out.stderr, (args, out.stderr)
+
+
+def test_duplicate_job_name_is_refused(tmp_path, store_url):
+    spec = JobSpec(name="taken", command=("true",))
+    with open_store(store_url) as store:
+        store.put(keys.job("taken", "spec"), encode(spec))
+    out = run(["--store", store_url, "--job-name", "taken", PYTHON, "-c", "pass"], tmp_path)
+    assert out.returncode == 2 and "already exists" in out.stderr
+
+
+def test_status_shows_nodes_and_jobs(tmp_path, store_url):
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(6)\n")
+    proc = subprocess.Popen([POLLUX_RUN, "--store", store_url, "--job-name", "slowjob",
+                             "-np", "1", PYTHON, "slow.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = 30
+        text = ""
+        import time
+
+        start = time.time()
+        while time.time() - start < deadline:
+            text = run(["status", "--store", store_url], tmp_path).stdout
+            if "slowjob" in text and "running" in text:
+                break
+            time.sleep(0.5)
+        assert "slowjob" in text and "running" in text, text
+        assert os.uname().nodename in text
+    finally:
+        assert proc.wait(timeout=60) == 0
