@@ -78,6 +78,7 @@ class LaunchOptions:
     job_name: str
     fairness: float
     interval: float
+    realloc_delay: float
     policy: str | None
     framework: str
     horovod_env: dict[str, str] = field(default_factory=dict)
@@ -142,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--interval", type=float, default=60.0,
                    help="seconds between scheduling rounds (default 60)")
     x.add_argument("--policy", help="scheduling policy name (default: the fastest exact one)")
+    x.add_argument("--realloc-delay", type=float, default=10.0,
+                   help="seconds a re-allocation is expected to cost a job (the policy's "
+                   "penalty; default 10: live rescaling, not checkpoint-restart)")
     x.add_argument("--framework", default="auto", choices=("auto", *FRAMEWORKS),
                    help="training framework (default: detected from the script)")
     for flag in _UNSUPPORTED:  # recognised, so that using one gets a reason, not "unknown"
@@ -214,6 +218,8 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         raise OptionsError("--fairness must not be 0 (use e.g. -1 for fair, 1 for plain sum)")
     if ns.interval <= 0:
         raise OptionsError("--interval must be positive seconds")
+    if ns.realloc_delay < 0:
+        raise OptionsError("--realloc-delay must be 0 or more seconds")
     start_timeout = ns.start_timeout
     if start_timeout is None:
         start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT", 30))
@@ -249,7 +255,8 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         blacklist_cooldown_range=cooldown, output_filename=ns.output_filename,
         verbose=ns.verbose, log_level=ns.log_level, store=ns.store,
         store_prefix=ns.store_prefix, job_name=job_name,
-        fairness=ns.fairness, interval=ns.interval, policy=ns.policy, framework=framework,
+        fairness=ns.fairness, interval=ns.interval, realloc_delay=ns.realloc_delay,
+        policy=ns.policy, framework=framework,
         horovod_env=horovod_env, store_options=store_options(ns),
         worker_env=worker_store_env(ns), secret_file=ns.secret_file,
     )

@@ -83,11 +83,12 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     lease = store.lease_grant(10.0) if local else 0
     keeper = store.keep_alive(lease, 3.0) if local else None
     try:
-        spec = _spec(opts)
+        spec = _spec(opts, local)
         _submit(store, spec, secret, lease)
         if local:
             node = NodeInfo(socket.gethostname(), slots, "127.0.0.1", time.time())
-            policy = make_policy(opts.policy or DEFAULT_POLICY, p=opts.fairness)
+            policy = make_policy(opts.policy or DEFAULT_POLICY, p=opts.fairness,
+                                 delta=opts.realloc_delay)
             coordinator = Coordinator(store, policy, interval=opts.interval, settle=0.2)
             agent = NodeAgent(store, node, url, opts.store_prefix, secret=secret,
                               only_jobs={spec.name}, output_dir=opts.output_filename,
@@ -108,11 +109,13 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
         store.close()
 
 
-def _spec(opts: LaunchOptions) -> JobSpec:
+def _spec(opts: LaunchOptions, local: bool) -> JobSpec:
     env = {**opts.worker_env, **opts.horovod_env, "PYTHONUNBUFFERED": "1"}
     if opts.network_interface:
         env["GLOO_SOCKET_IFNAME"] = env["HOROVOD_GLOO_IFACE"] = opts.network_interface
     env["POLLUX_LOG_LEVEL"] = opts.log_level
+    if local:  # `python` in the command means the interpreter pollux-run runs in, as in a venv
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     return JobSpec(
         name=opts.job_name, command=opts.command, framework=opts.framework,
         initial_replicas=opts.np, min_replicas=opts.min_np, max_replicas=opts.max_np,

@@ -1,0 +1,214 @@
+"""PolluxAgent: the per-job brain inside the workers (Pollux Sec. 3-4.1).
+
+Framework adapters feed it measurements (``StepProfile`` for step times, a
+``GradientNoiseMonitor`` for gradient statistics, ``StatisticalProgress``) and ask it
+three things:
+
+* ``choose(num_nodes, num_replicas, current)`` - the per-GPU batch ``m`` and accumulation
+  steps ``s`` that maximise goodput for the allocation (Eqn 13), or the current ones when
+  the predicted gain is below ``min_gain`` (no churn). Called on rank 0 only; the adapter
+  broadcasts the answer so that every replica applies it at the same step boundary.
+* ``lr_factor(batch_size)`` - the LR multiplier of the configured rule (AdaScale for SGD,
+  square root for Adam-family by default).
+* ``hints(...)`` / ``report(...)`` - the job's ``JobHints`` (fitted throughput model,
+  gradient statistics, limits, progress) written to the store every ``report_interval``
+  seconds by rank 0, for the coordinator.
+
+The throughput model is refitted from the profile at most once per ``fit_interval`` and
+only when the profile changed; between fits the last fit is reused.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import keys
+from ..goodput import GoodputFunction, PerfParams, fit_perf_params, scale_lr
+from ..messages import JobHints, encode
+from .gns import GradNoise
+from .profile import StepProfile
+from .progress import StatisticalProgress
+
+ADAM_LIKE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adafactor", "LAMB", "Lamb")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What the job allows (validated up front; errors are one line)."""
+
+    init_batch_size: int
+    max_batch_size: int
+    local_bsz_bounds: tuple[int, int]
+    gradient_accumulation: bool = True
+    adaptive_batch_size: bool = True
+    lr_scaling: str | Callable[[float, Any], float] = "adascale"
+    report_interval: float = 30.0
+    fit_interval: float = 10.0
+    min_gain: float = 0.05
+
+    def __post_init__(self) -> None:
+        m0, mx = self.init_batch_size, self.max_batch_size
+        lo, hi = self.local_bsz_bounds
+        if not isinstance(m0, int) or m0 < 1:
+            raise ValueError(f"initial batch size must be a positive integer, got {m0!r}")
+        if not isinstance(mx, int) or mx < m0:
+            raise ValueError(f"max batch size {mx!r} must be an integer >= initial {m0}")
+        if not 1 <= lo <= hi:
+            raise ValueError(f"per-GPU batch bounds must satisfy 1 <= lo <= hi, got {(lo, hi)}")
+        if self.min_gain < 0 or self.report_interval <= 0 or self.fit_interval <= 0:
+            raise ValueError("min_gain must be >= 0 and the intervals positive")
+
+
+def default_lr_rule(optimizer: Any) -> str:
+    """AdaScale for SGD-like optimisers, square root for Adam-family (Pollux Sec. 3.1)."""
+    return "sqrt" if type(optimizer).__name__ in ADAM_LIKE else "adascale"
+
+
+class PolluxAgent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        profile: StepProfile,
+        grad_stats: Callable[[], GradNoise | None],
+        progress: StatisticalProgress,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config, self.profile, self.progress = config, profile, progress
+        self._grad_stats, self._clock = grad_stats, clock
+        self._perf: PerfParams | None = None
+        self._fitted_at = -math.inf
+        self._fitted_len = -1
+        self._last_report = -math.inf
+
+    # -- the model -------------------------------------------------------------------
+    def perf_params(self) -> PerfParams | None:
+        """The fitted throughput model (refitted when due and the profile grew)."""
+        now = self._clock()
+        due = now - self._fitted_at >= self.config.fit_interval or self._perf is None
+        if due and len(self.profile) and len(self.profile) != self._fitted_len:
+            inputs = self.profile.fit_inputs()
+            try:
+                self._perf = fit_perf_params(**inputs)
+            except ValueError:
+                pass  # e.g. too few observations yet: keep the previous fit
+            self._fitted_at, self._fitted_len = now, len(self.profile)
+        return self._perf
+
+    def goodput_function(self) -> GoodputFunction | None:
+        perf, grad = self.perf_params(), self._grad_stats()
+        if perf is None or grad is None:
+            return None
+        return GoodputFunction(perf, grad.to_grad_params(), self.config.init_batch_size)
+
+    # -- decisions -------------------------------------------------------------------
+    def default_batch(self, num_replicas: int) -> tuple[int, int]:
+        """(m, s) before any model: keep the total batch near M0."""
+        lo, hi = self.config.local_bsz_bounds
+        m0 = self.config.init_batch_size
+        m = min(max(math.ceil(m0 / num_replicas), lo), hi)
+        s = 0
+        if self.config.gradient_accumulation and m * num_replicas < m0:
+            s = math.ceil(m0 / (m * num_replicas)) - 1
+        return m, s
+
+    def choose(
+        self, num_nodes: int, num_replicas: int, current: tuple[int, int] | None = None
+    ) -> tuple[int, int]:
+        """Best (m, s) for this allocation; ``current`` is kept unless the predicted
+        goodput gain exceeds ``min_gain`` (or ``current`` no longer fits the bounds)."""
+        cfg = self.config
+        fn = self.goodput_function()
+        if fn is None:
+            return (
+                current
+                if current and self._fits(current, num_replicas)
+                else self.default_batch(num_replicas)
+            )
+        fixed = None if cfg.adaptive_batch_size else cfg.init_batch_size
+        nodes, reps = np.array([num_nodes]), np.array([num_replicas])
+        goodput, m, s = fn.optimize(
+            nodes,
+            reps,
+            cfg.max_batch_size,
+            cfg.local_bsz_bounds,
+            accumulation=cfg.gradient_accumulation,
+            fixed_batch_size=fixed,
+        )
+        best = (int(m[0]), int(s[0]))
+        if best[0] < 1:  # nothing fits: stay where we are if we can
+            return current if current else self.default_batch(num_replicas)
+        if current and self._fits(current, num_replicas):
+            now = fn.evaluate(nodes, reps, np.array([current[0]]), np.array([current[1]]))
+            if float(goodput[0]) <= float(now[0]) * (1 + cfg.min_gain):
+                return current
+        return best
+
+    def _fits(self, cand: tuple[int, int], num_replicas: int) -> bool:
+        lo, hi = self.config.local_bsz_bounds
+        m, s = cand
+        total = num_replicas * m * (s + 1)
+        if not self.config.adaptive_batch_size:
+            return lo <= m <= hi
+        return lo <= m <= hi and total <= self.config.max_batch_size
+
+    def lr_factor(self, batch_size: int) -> float:
+        scale = batch_size / self.config.init_batch_size
+        if scale == 1:
+            return 1.0
+        grad = self._grad_stats()
+        rule = self.config.lr_scaling
+        if rule == "adascale" and grad is None:
+            return 1.0  # no statistics yet: AdaScale's gain is unknown, be conservative
+        stats = grad.to_grad_params() if grad is not None else None
+        return float(scale_lr(rule, self.config.init_batch_size, batch_size, stats))
+
+    # -- reporting -------------------------------------------------------------------
+    def hints(
+        self, num_nodes: int, num_replicas: int, local_bsz: int, accum_steps: int, restarts: int = 0
+    ) -> JobHints:
+        cfg = self.config
+        perf, grad = self.perf_params(), self._grad_stats()
+        max_reps, max_nodes = self.profile.max_profiled
+        return JobHints(
+            init_batch_size=cfg.init_batch_size,
+            max_batch_size=cfg.max_batch_size,
+            local_bsz_bounds=cfg.local_bsz_bounds,
+            gradient_accumulation=cfg.gradient_accumulation,
+            adaptive_batch_size=cfg.adaptive_batch_size,
+            perf_params=perf.to_dict() if perf else None,
+            grad_sqr=grad.sqr if grad else None,
+            grad_var=grad.var if grad else None,
+            max_profiled_replicas=max_reps,
+            max_profiled_nodes=max_nodes,
+            num_nodes=num_nodes,
+            num_replicas=num_replicas,
+            local_bsz=local_bsz,
+            accum_steps=accum_steps,
+            progress=self.progress.iterations,
+            restarts=restarts,
+            timestamp=time.time(),
+        )
+
+    def report_due(self) -> bool:
+        return self._clock() - self._last_report >= self.config.report_interval
+
+    def report(self, store: Any, job: str, hints: JobHints) -> None:
+        """Write the hints (rank 0). Store trouble is not the training's problem: the
+        caller catches ``StoreError`` and tries again at the next report."""
+        self._last_report = self._clock()
+        store.put(keys.job(job, "hints"), encode(hints))
+
+    # -- state that travels with the job (rank 0 -> newcomers) -----------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"profile": self.profile.state_dict(), "progress": self.progress.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.profile.load_state_dict(state["profile"])
+        self.progress.load_state_dict(state["progress"])
+        self._fitted_len = -1  # refit from the received profile
