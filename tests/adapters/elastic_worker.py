@@ -1,0 +1,52 @@
+"""Worker for test_torch_elastic: trains with the native adapter, logs what it did.
+
+Each worker appends JSON lines to $LOG_DIR/<worker>.jsonl: one per optimiser step
+({"kind": "step", "epoch", "round", "world", "rank", "indices"}) and, at the end, the
+hash of its parameters. Samples are identified by their index (the dataset returns it).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import pollux_launch.adapters.torch as pollux
+
+N, EPOCHS = int(os.environ.get("N", 480)), int(os.environ.get("EPOCHS", 5))
+log = open(os.path.join(os.environ["LOG_DIR"], os.environ["POLLUX_WORKER_ID"] + ".jsonl"), "a")
+
+
+def write(**record):
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+
+
+torch.manual_seed(int.from_bytes(os.urandom(2), "little"))  # replicas start different
+x = torch.randn(N, 16)
+y = (x.sum(dim=1) > 0).long()
+data = TensorDataset(x, y, torch.arange(N))
+job = pollux.init()
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+loader = pollux.AdaptiveDataLoader(data, batch_size=12, local_bsz_bounds=(2, 12))
+trainer = pollux.ElasticTrainer(model, optimizer, loader, report_interval=1.0)
+write(kind="start", pid=os.getpid(), round=job.placement.round)
+pending = []
+for _ in trainer.epochs(EPOCHS):
+    for xb, yb, idx in loader:
+        epoch = loader.epoch
+        pending.extend(idx.tolist())
+        if trainer.step(F.cross_entropy(trainer.model(xb), yb)):
+            p = job.placement
+            write(kind="step", epoch=epoch, round=p.round, world=p.world_size, rank=p.rank,
+                  pid=os.getpid(), indices=pending, step=trainer.steps)
+            pending = []
+        time.sleep(0.01)
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+write(kind="end", pid=os.getpid(), params=digest.hexdigest(), round=job.placement.round)
+sys.exit(0)
