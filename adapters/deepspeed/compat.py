@@ -1,0 +1,188 @@
+"""Every use of DeepSpeed internals by this adapter, in one place.
+
+Targets DeepSpeed 0.19.8 (``deepspeed/runtime/engine.py``,
+``deepspeed/runtime/zero/stage_1_and_2.py``, ``deepspeed/utils/groups.py``). A DeepSpeed
+upgrade should need changes here only; :func:`check_version` warns once when the running
+version differs.
+
+What is touched and why:
+
+* ``deepspeed.utils.groups._release_process_group_references`` - DeepSpeed caches its
+  data-parallel / world group clones in module globals; after the default process group
+  is destroyed and re-formed with another size, they point to dead groups.
+  ``deepspeed.comm.destroy_process_group`` would call it, but the rendezvous tears the group
+  down through ``torch.distributed`` directly.
+* The engine's module hooks (``module_forward_pre_hook``, ``module_forward_post_hook``,
+  ``first_dataloader_check``) - ``engine.destroy()`` leaves them on the user's module, and
+  the module is reused by the rebuilt engine.
+* ZeRO-1/2 flat-partition layout of ``DeepSpeedZeroOptimizer``: ``round_robin_bit16_groups``,
+  ``round_robin_bit16_offsets``, ``single_partition_of_fp32_groups``,
+  ``parallel_partitioned_bit16_groups``, ``real_dp_process_group`` - to gather each
+  replica's partition of the fp32 master weights and optimizer state into per-parameter
+  tensors, and to cut them again for a new data-parallel size.
+* Engine counters ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TARGET_VERSION = "0.19.8"
+COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+_warned = False
+
+
+def check_version() -> None:
+    """Warn once if the running DeepSpeed is not the version these workarounds target."""
+    global _warned
+    import deepspeed
+
+    if not _warned and deepspeed.__version__ != TARGET_VERSION:
+        _warned = True
+        warnings.warn(f"pollux DeepSpeed adapter targets DeepSpeed {TARGET_VERSION}, running "
+                      f"{deepspeed.__version__}: live rescaling is untested there",
+                      stacklevel=2)
+
+
+def release_group_caches() -> None:
+    """Forget DeepSpeed's cached process groups (call once the default group is gone)."""
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(None)
+
+
+def detach_engine(engine: Any) -> None:
+    """Release an engine so that its module can be wrapped by a new one (local, no
+    collectives): optimizer hooks, the engine's forward hooks on the module, references."""
+    try:
+        engine.destroy()  # ZeRO: removes the gradient hooks, drops _hp_mapping
+    finally:
+        for name in ("module_forward_pre_hook", "module_forward_post_hook",
+                     "first_dataloader_check"):
+            handle = getattr(engine, name, None)
+            if handle is not None:
+                handle.remove()
+                setattr(engine, name, None)
+        engine.__dict__.pop("_deepspeed_pollux_state", None)
+
+
+def get_counters(engine: Any) -> dict[str, int]:
+    return {name: int(getattr(engine, name)) for name in COUNTERS}
+
+
+def set_counters(engine: Any, counters: dict[str, int]) -> None:
+    for name in COUNTERS:
+        if name in counters:
+            setattr(engine, name, int(counters[name]))
+
+
+def align_micro_steps(engine: Any) -> None:
+    """Round ``micro_steps`` up to a multiple of the current accumulation steps, so that
+    the next accumulation boundary comes after exactly that many micro-batches (DeepSpeed
+    tests ``(micro_steps + 1) % gradient_accumulation_steps == 0``)."""
+    gas = engine.gradient_accumulation_steps()
+    engine.micro_steps = -(-engine.micro_steps // gas) * gas
+
+
+def basic_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that updates the (fp32) weights: ZeRO's inner one, or the
+    engine's own at ZeRO-0."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() in (1, 2):
+        return opt.optimizer
+    return opt
+
+
+def check_supported(engine: Any) -> int:
+    """The ZeRO stage, if live rescaling supports this engine; a clear error otherwise."""
+    stage = engine.zero_optimization_stage()
+    if stage not in (0, 1, 2):
+        raise NotImplementedError(
+            f"live rescaling supports ZeRO stages 0, 1 and 2, this engine uses stage {stage}")
+    if stage == 0 and not isinstance(engine.optimizer, torch.optim.Optimizer):
+        raise NotImplementedError(
+            "live rescaling at ZeRO stage 0 needs fp32 training (the engine's optimizer is a "
+            f"{type(engine.optimizer).__name__}); use ZeRO stage 1 or 2 for fp16/bf16")
+    if stage in (1, 2):
+        zopt = engine.optimizer
+        if getattr(zopt, "cpu_offload", False):
+            raise NotImplementedError("live rescaling does not support ZeRO CPU offload yet")
+        if any(zopt.is_moe_group(g) for g in zopt.optimizer.param_groups):
+            raise NotImplementedError("live rescaling does not support MoE parameter groups")
+    return stage
+
+
+@dataclass
+class ZeroGroup:
+    """One parameter group's flat layout in a ZeRO-1/2 optimizer.
+
+    ``params[j]`` (a module parameter) occupies ``flat[offsets[j] : offsets[j] + numel]``
+    of the padded flat buffer, which is cut into ``world`` equal partitions; this replica
+    owns partition ``rank`` (``fp32`` is its master copy, the basic optimizer's parameter).
+    """
+
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    flat_numel: int
+    partition_sizes: list[int]
+    rank: int
+    world: int
+    fp32: torch.Tensor
+    group: Any
+
+    @property
+    def start(self) -> int:
+        return sum(self.partition_sizes[: self.rank])
+
+
+def zero_groups(engine: Any) -> Iterator[ZeroGroup]:
+    """The flat layout of each parameter group of a ZeRO-1/2 engine."""
+    import deepspeed.comm as ds_dist
+
+    zopt = engine.optimizer
+    for i, fp32 in enumerate(zopt.single_partition_of_fp32_groups):
+        group = zopt.real_dp_process_group[i]
+        yield ZeroGroup(
+            params=list(zopt.round_robin_bit16_groups[i]),
+            offsets=list(zopt.round_robin_bit16_offsets[i]),
+            flat_numel=zopt.bit16_groups_flat[i].numel(),
+            partition_sizes=[p.numel() for p in zopt.parallel_partitioned_bit16_groups[i]],
+            rank=ds_dist.get_rank(group=group),
+            world=ds_dist.get_world_size(group=group),
+            fp32=fp32,
+            group=group,
+        )
+
+
+def reset_client_optimizer(optimizer: torch.optim.Optimizer,
+                           params: list[list[torch.nn.Parameter]]) -> None:
+    """Give a client optimizer back its original parameter lists and an empty state, so
+    that a new ZeRO engine can flatten them again (ZeRO-1/2 replace each group's params by
+    the flat fp32 partition, and key the state by it)."""
+    if len(params) != len(optimizer.param_groups):
+        raise RuntimeError("the client optimizer's parameter groups changed since initialize")
+    for group, plist in zip(optimizer.param_groups, params, strict=True):
+        group["params"] = list(plist)
+    optimizer.state = defaultdict(dict)
+
+
+def prewarm() -> None:
+    """Pay DeepSpeed's one-time lazy imports now, not inside the first engine build.
+
+    The first ZeRO engine of a process imports ``deepspeed.runtime.zero.muon`` (it
+    ``torch.compile``s a kernel at import, which loads inductor: seconds on CPU), so a
+    newcomer that builds its first engine while the survivors wait in the collectives
+    would add that to their pause. Call before announcing readiness to join.
+    """
+    import deepspeed
+
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:
+        pass

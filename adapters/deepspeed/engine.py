@@ -1,0 +1,322 @@
+"""``initialize``: ``deepspeed.initialize`` with a ``"pollux"`` section, and the engine
+handle that survives live rescales.
+
+* No section, section disabled: exactly ``deepspeed.initialize`` (the section is removed
+  from the config DeepSpeed sees).
+* Section enabled, outside pollux-run (no ``POLLUX_JOB`` in the environment): plain
+  DeepSpeed objects at the section's ``initial_batch_size`` for the current world size.
+* Section enabled under pollux-run: the same four-tuple, but the engine is a
+  :class:`PolluxEngine` handle (it forwards everything to the current
+  ``DeepSpeedEngine``) and the optimizer, dataloader and scheduler are live views that
+  follow the engine across rebuilds. The handle adds batch-size / accumulation changes at
+  accumulation boundaries, an LR factor applied around each optimizer step (the user's
+  scheduler is never overwritten), gradient-noise statistics, and :meth:`PolluxEngine.rescale`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+from .config import PolluxConfig, derive_ds_config, load_ds_config, parse_pollux_config
+from .gradients import DeepSpeedGradStats
+from .state import EngineState, capture, detach, restore
+
+JOB_ENV = "POLLUX_JOB"
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None:
+        return config
+    if config_params is not None:
+        return config_params
+    return getattr(args, "deepspeed_config", None)
+
+
+def _without_args_config(args: Any) -> Any:
+    """``args`` with ``deepspeed_config`` cleared (DeepSpeed refuses both it and config=)."""
+    if getattr(args, "deepspeed_config", None) is None:
+        return args
+    args = copy.copy(args)
+    args.deepspeed_config = None
+    return args
+
+
+def _world_size() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None,
+               lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None
+               ) -> tuple[Any, Any, Any, Any]:
+    """Drop-in for ``deepspeed.initialize`` (same arguments, same returned
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``); see the module docstring.
+    Raises :class:`~.config.PolluxConfigError` for a bad ``"pollux"`` section."""
+    import deepspeed
+
+    compat.check_version()
+    kwargs: dict[str, Any] = dict(args=args, model=model, optimizer=optimizer,
+                                  model_parameters=model_parameters,
+                                  training_data=training_data, lr_scheduler=lr_scheduler,
+                                  mpu=mpu, dist_init_required=dist_init_required,
+                                  collate_fn=collate_fn, mesh_param=mesh_param)
+    if distributed_port is not None:
+        kwargs["distributed_port"] = distributed_port
+    source = _config_source(args, config, config_params)
+    pollux = parse_pollux_config(source) if source is not None else None
+    if pollux is None:
+        return deepspeed.initialize(config=config, config_params=config_params, **kwargs)
+    ds_config = load_ds_config(source)
+    assert ds_config is not None
+    kwargs["args"] = _without_args_config(args)
+    if not pollux.enabled:
+        ds_config.pop("pollux", None)
+        return deepspeed.initialize(config=ds_config, **kwargs)
+
+    deepspeed.init_distributed(dist_init_required=dist_init_required)
+    world = _world_size()
+    micro, steps = pollux.initial_micro_batch(world)
+    if JOB_ENV not in os.environ:
+        return deepspeed.initialize(config=derive_ds_config(ds_config, world, micro, steps),
+                                    **kwargs)
+    handle = PolluxEngine(_Recipe.record(kwargs, ds_config), pollux, micro, steps)
+    return handle, handle.live("optimizer"), handle.live("training_dataloader"), \
+        handle.live("lr_scheduler")
+
+
+@dataclass
+class _Recipe:
+    """What it takes to build the engine again for another world size."""
+
+    kwargs: dict[str, Any]
+    ds_config: dict[str, Any]
+    client_params: list[list[torch.nn.Parameter]] | None = field(default=None)
+
+    @classmethod
+    def record(cls, kwargs: dict[str, Any], ds_config: dict[str, Any]) -> _Recipe:
+        kwargs = dict(kwargs)
+        if kwargs.get("model_parameters") is not None:
+            # a generator (model.parameters()) would be empty the second time
+            kwargs["model_parameters"] = list(kwargs["model_parameters"])
+        opt = kwargs.get("optimizer")
+        params = None
+        if isinstance(opt, torch.optim.Optimizer):
+            # ZeRO replaces each group's params by its flat partition: remember them
+            params = [list(g["params"]) for g in opt.param_groups]
+        return cls(kwargs, ds_config, params)
+
+    def build(self, world_size: int, micro_batch: int, accumulation_steps: int) -> tuple:
+        import deepspeed
+
+        opt = self.kwargs.get("optimizer")
+        if self.client_params is not None:
+            compat.reset_client_optimizer(opt, self.client_params)
+        cfg = derive_ds_config(self.ds_config, world_size, micro_batch, accumulation_steps)
+        return deepspeed.initialize(config=cfg, **self.kwargs)
+
+
+class _Live:
+    """A view of one attribute of the current engine (the optimizer, dataloader or
+    scheduler object changes when the engine is rebuilt)."""
+
+    def __init__(self, handle: PolluxEngine, name: str) -> None:
+        object.__setattr__(self, "_handle", handle)
+        object.__setattr__(self, "_name", name)
+
+    def _target(self) -> Any:
+        return getattr(self._handle.engine, self._name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._target(), name, value)
+
+    def __iter__(self) -> Any:
+        return iter(self._target())
+
+    def __len__(self) -> int:
+        return len(self._target())
+
+    def __bool__(self) -> bool:
+        return self._target() is not None
+
+    def __repr__(self) -> str:
+        return f"<live {self._name} of {self._target()!r}>"
+
+
+class PolluxEngine:
+    """The engine handle returned under pollux-run: forwards to the current
+    ``DeepSpeedEngine`` (``handle(x)``, ``handle.backward(loss)``, ``handle.step()``,
+    ``handle.module`` ... as usual) and adds the pollux controls."""
+
+    def __init__(self, recipe: _Recipe, pollux: PolluxConfig, micro_batch: int,
+                 accumulation_steps: int) -> None:
+        self._recipe = recipe
+        self.pollux = pollux
+        self._lr_factor = 1.0
+        self._lr_handles: list[Any] = []
+        self._saved_lrs: list[Any] = []
+        self._pending: tuple[int, int] | None = None
+        self.grad_stats = DeepSpeedGradStats(pollux.initial_batch_size)
+        # a newcomer to a running job receives the survivors' state here
+        self.restored_state = self._build(None, micro_batch, accumulation_steps)
+
+    # -- building --------------------------------------------------------------------
+    def _build(self, state: EngineState | None, micro: int, steps: int) -> EngineState | None:
+        """Build the engine on the current group and restore ``state`` (collective; a
+        newcomer passes None and receives the survivors' state, if there are any)."""
+        compat.release_group_caches()
+        self.engine = self._recipe.build(_world_size(), micro, steps)[0]
+        compat.check_supported(self.engine)
+        restored = restore(self.engine, state)
+        self._attach()
+        if restored is not None:
+            mine = restored.get("client", {}).get("pollux")
+            if mine:
+                self._lr_factor = float(mine["lr_factor"])
+                self.grad_stats.estimator.load_state_dict(mine["gns"])
+                if tuple(mine["batch"]) != self.batch:  # a newcomer adopts the job's batch
+                    self._apply_batch(*mine["batch"])
+        return restored
+
+    def _attach(self) -> None:
+        opt = compat.basic_optimizer(self.engine)
+        self._lr_handles = [opt.register_step_pre_hook(self._scale_lr),
+                            opt.register_step_post_hook(self._unscale_lr)]
+        self.grad_stats.attach(self.engine)
+
+    def _detach(self) -> None:
+        for h in self._lr_handles:
+            h.remove()
+        self._lr_handles = []
+        self.grad_stats.detach()
+        detach(self.engine)
+
+    def live(self, name: str) -> Any:
+        """A view of the current engine's ``name`` attribute (None if it has none)."""
+        return _Live(self, name) if getattr(self.engine, name, None) is not None else None
+
+    # -- forwarding ------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # during construction
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.grad_stats.begin_micro_step()
+        return self.engine.backward(loss, *args, **kwargs)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        eng = self.engine
+        boundary = eng.is_gradient_accumulation_boundary()
+        skipped = eng.skipped_steps
+        out = eng.step(*args, **kwargs)
+        if boundary:
+            self.grad_stats.end_step(stepped=eng.skipped_steps == skipped)
+            if self._pending is not None:
+                self._apply_batch(*self._pending)
+        return out
+
+    # -- batch size, accumulation, LR ------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.engine.dp_world_size
+
+    @property
+    def batch(self) -> tuple[int, int]:
+        """``(micro batch per GPU, accumulation steps)`` now in force."""
+        return (self.engine.train_micro_batch_size_per_gpu(),
+                self.engine.gradient_accumulation_steps())
+
+    def set_batch_size(self, micro_batch: int, accumulation_steps: int = 1) -> None:
+        """Use ``micro_batch`` per GPU and ``accumulation_steps`` micro-batches per
+        optimizer step (DeepSpeed's ``gradient_accumulation_steps``) from the next
+        accumulation boundary on (at once if the engine is at one). Every replica must
+        call it with the same values."""
+        lo, hi = self.pollux.micro_batch_size_range
+        if not lo <= micro_batch <= hi:
+            raise ValueError(f"micro batch {micro_batch} outside pollux.micro_batch_size_range "
+                             f"[{lo}, {hi}]")
+        if accumulation_steps < 1 or (accumulation_steps > 1
+                                      and not self.pollux.gradient_accumulation):
+            raise ValueError(f"accumulation_steps={accumulation_steps} not allowed "
+                             "(>= 1, and > 1 only with pollux.gradient_accumulation)")
+        eng = self.engine
+        if eng.micro_steps % eng.gradient_accumulation_steps() == 0:
+            self._apply_batch(micro_batch, accumulation_steps)
+        else:
+            self._pending = (micro_batch, accumulation_steps)
+
+    def _apply_batch(self, micro: int, steps: int) -> None:
+        self._pending = None
+        eng = self.engine
+        eng.set_train_micro_batch_size(micro)
+        eng.set_train_batch_size(micro * steps * eng.dp_world_size)
+        compat.align_micro_steps(eng)
+
+    @property
+    def lr_factor(self) -> float:
+        return self._lr_factor
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Multiply the LR by ``factor`` inside every optimizer step (e.g. the AdaScale
+        gain or ``scale_lr(rule, M0, M)``); the param groups hold the scheduler's value
+        outside the step, so the user's scheduler is never fought."""
+        if not factor > 0:
+            raise ValueError(f"LR factor must be > 0, got {factor}")
+        self._lr_factor = float(factor)
+
+    def _scale_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
+        if self._lr_factor != 1.0:
+            for g in optimizer.param_groups:
+                g["lr"] = g["lr"] * self._lr_factor
+
+    def _unscale_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for g, lr in zip(optimizer.param_groups, self._saved_lrs, strict=True):
+            g["lr"] = lr
+
+    # -- live rescale ----------------------------------------------------------------
+    def capture(self, client_state: dict[str, Any] | None = None) -> EngineState:
+        """Consolidated training state (collective on the current group), including the
+        adapter's own (LR factor, batch, gradient statistics) under ``client["pollux"]``."""
+        client = dict(client_state or {})
+        client["pollux"] = {"lr_factor": self._lr_factor, "batch": list(self.batch),
+                            "gns": self.grad_stats.estimator.state_dict()}
+        return capture(self.engine, client)
+
+    def rescale(self, reform: Callable[[], bool], micro_batch: int | None = None,
+                accumulation_steps: int | None = None,
+                client_state: dict[str, Any] | None = None) -> EngineState | None:
+        """Rebuild this replica's engine for a new process group, in place.
+
+        Call at an optimizer-step boundary on every replica of the current group.
+        ``reform()`` destroys the process group and forms the new one (the rendezvous);
+        it returns False if this process is not part of the new group (it then leaves:
+        nothing is rebuilt and None is returned). Returns the restored state (its
+        ``client`` part carries ``client_state`` from rank 0's side).
+        """
+        state = self.capture(client_state)
+        self._detach()
+        if not reform():
+            return None
+        if micro_batch is None or accumulation_steps is None:
+            micro_batch, accumulation_steps = self.pollux.initial_micro_batch(_world_size())
+        state["client"]["pollux"]["batch"] = [micro_batch, accumulation_steps]
+        return self._build(state, micro_batch, accumulation_steps)
