@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from pollux_launch import keys
 from pollux_launch.messages import Allocation, MessageError, decode
 from pollux_launch.rendezvous.protocol import (
     ENV_JOB,
@@ -28,6 +28,7 @@ from pollux_launch.rendezvous.protocol import (
     RendezvousConfig,
     WorkerRemoved,
 )
+from pollux_launch.rendezvous.store import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -85,21 +86,27 @@ class ElasticJob:
             self.rdzv.close()
             self.rdzv = None
 
-    def _placement(self, info: GroupInfo) -> Placement:
-        """Node count and local rank from the allocation the round serves."""
-        nodes = (self.rdzv.node,) * info.world_size
-        kv = self.rdzv.store.get(keys.job(self.rdzv.job, "allocation"))
-        if kv is not None:
+    def wait_for_peers(self, grace: float) -> None:
+        """A newcomer waits (at most ``grace`` s) until every worker the allocation asks
+        for has registered, so that the running replicas pause only once, briefly."""
+        assert self.rdzv is not None
+        store, rkeys = self.rdzv.store, self.rdzv.keys
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            rev = store.revision()
+            kv = store.get(rkeys.allocation)
             try:
-                alloc = decode(Allocation, kv.value)
-                if alloc.version == info.alloc_version and alloc.num_replicas:
-                    nodes = alloc.nodes
+                want = decode(Allocation, kv.value).num_replicas if kv else 0
             except MessageError:
-                pass
-        here = nodes.count(self.rdzv.node) or 1
-        local = sum(1 for m in info.members[: info.rank] if m.startswith(self.rdzv.node))
-        return Placement(info.rank, info.world_size, len(set(nodes)), min(local, here - 1),
-                         here, info.round)
+                return
+            if want and len(store.get_prefix(rkeys.workers)) >= want:
+                return
+            store.wait(rkeys.prefix, rev, timeout=min(1.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _placement(info: GroupInfo) -> Placement:
+        return Placement(info.rank, info.world_size, info.num_nodes, info.local_rank,
+                         info.local_world_size, info.round)
 
 
 _CURRENT: list[ElasticJob] = []  # the process's job, once init() ran (one per process)
@@ -110,8 +117,13 @@ def init(backend: str | None = None, config: RendezvousConfig | None = None) -> 
     if _CURRENT:
         return _CURRENT[0]
     if os.environ.get(ENV_JOB):
-        rdzv = Rendezvous.from_env(config or RendezvousConfig(backend=backend))
+        config = config or RendezvousConfig(backend=backend)
+        rdzv = Rendezvous.from_env(config)
         job = ElasticJob(rdzv, backend)
+        try:
+            job.wait_for_peers(config.grow_grace)
+        except StoreError:
+            pass  # next_round reports store trouble properly
         job.next_round()
     else:
         job = ElasticJob(None, backend)

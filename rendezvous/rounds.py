@@ -1,0 +1,185 @@
+"""Rendezvous rounds: the key schema, the messages kept under it, and the pure rule that
+decides a round's members and ranks.
+
+Keys (relative to the store's cluster prefix; see ``rendezvous/README.md``)::
+
+    jobs/<job>/allocation                          Allocation (the coordinator)
+    jobs/<job>/rdzv/round                          RoundInfo: the round now open or formed
+    jobs/<job>/rdzv/workers/<worker>               WorkerInfo, under the worker's lease
+    jobs/<job>/rdzv/rounds/<r:08d>/members/<worker> Member, under the worker's lease
+    jobs/<job>/rdzv/rounds/<r:08d>/state           RoundState, written once by its rank 0
+
+Everything here is pure: no store, no clock, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pollux_launch import keys
+
+REASONS = ("allocation", "failure", "membership")
+_NAME = re.compile(r"[A-Za-z0-9_.@:+-]{1,128}")
+
+
+def check_name(kind: str, name: object) -> str:
+    """``name`` if it can be one level of a store key, else a one-line ValueError."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"bad {kind} {name!r}: use 1-128 characters from A-Z a-z 0-9 _ . @ : + -")
+    return name
+
+
+# -- messages (JSON via pollux_launch.messages.encode/decode) ----------------------------
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """The job's current round, bumped by compare-and-swap by whoever first sees a reason.
+
+    ``nodes`` is the allocation the round serves (one node name per replica);
+    ``prev_round``/``prev_members`` name the last *formed* round and its rank order, so
+    survivors keep their order and alive-but-absent survivors can be waited for.
+    """
+
+    round: int
+    alloc_version: int
+    nodes: tuple[str, ...]
+    reason: str = "allocation"
+    prev_round: int = 0
+    prev_members: tuple[str, ...] = ()
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A live worker (the key vanishes with its lease)."""
+
+    worker: str
+    node: str
+    addr: str
+    pid: int
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
+class Member:
+    """A worker's join record for one round; ``prev_round`` 0 means a newcomer."""
+
+    worker: str
+    node: str
+    addr: str
+    pid: int
+    prev_round: int = 0
+    prev_rank: int = -1
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """A formed round: ``members`` in rank order, the node of each (``nodes``), and where
+    rank 0's TCPStore listens."""
+
+    round: int
+    alloc_version: int
+    members: tuple[str, ...]
+    master_addr: str
+    master_port: int
+    reason: str = "allocation"
+    newcomers: tuple[str, ...] = ()
+    timestamp: float = 0.0
+    nodes: tuple[str, ...] = ()
+
+
+# -- key schema ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobKeys:
+    """The keys of one job's rendezvous."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        check_name("job name", self.job)
+
+    @property
+    def prefix(self) -> str:
+        return keys.job(self.job)
+
+    @property
+    def allocation(self) -> str:
+        return keys.job(self.job, "allocation")
+
+    @property
+    def rdzv(self) -> str:
+        return keys.job(self.job, "rdzv/")
+
+    @property
+    def round(self) -> str:
+        return self.rdzv + "round"
+
+    @property
+    def workers(self) -> str:
+        return self.rdzv + "workers/"
+
+    def worker(self, worker: str) -> str:
+        return self.workers + worker
+
+    def round_prefix(self, r: int) -> str:
+        return f"{self.rdzv}rounds/{r:08d}/"
+
+    def members(self, r: int) -> str:
+        return self.round_prefix(r) + "members/"
+
+    def member(self, r: int, worker: str) -> str:
+        return self.members(r) + worker
+
+    def state(self, r: int) -> str:
+        return self.round_prefix(r) + "state"
+
+
+# -- who is in a round, in which rank order ------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """``ranked``: the members the round should have, rank 0 first (may include alive
+    survivors that have not joined yet); ``ready``: every one of them joined and the round
+    is as full as it will get, so rank 0 may close it now."""
+
+    ranked: tuple[str, ...]
+    ready: bool
+
+    @property
+    def closer(self) -> str | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def plan_round(
+    info: RoundInfo,
+    joined: Sequence[tuple[str, str, int]],
+    alive: Mapping[str, str],
+) -> Plan:
+    """Decide a round's rank order from who joined and who is alive.
+
+    ``joined``: (worker, node, create_revision of its member key); ``alive``: worker ->
+    node of every worker whose lease is live. Order: survivors of the previous round in
+    their old rank order (so rank 0 survives whenever it is alive and allocated), then
+    newcomers in join order; each takes a replica slot on its node (``info.nodes``) while
+    any is left. A round is ready when everyone ranked has joined and it is full - or,
+    for a repair round ("failure": a member died; "membership": a worker fills a vacancy),
+    when no live survivor is missing (other newcomers are not awaited).
+    """
+    slots = Counter(info.nodes)
+    joined_node = {w: n for w, n, _ in joined}
+    survivors = [w for w in info.prev_members if w in joined_node or w in alive]
+    newcomers = [w for w, _, _ in sorted(joined, key=lambda j: (j[2], j[0]))
+                 if w not in info.prev_members]
+    ranked = []
+    for w in survivors + newcomers:
+        node = joined_node.get(w, alive.get(w))
+        if node is not None and slots[node] > 0:
+            slots[node] -= 1
+            ranked.append(w)
+    all_joined = all(w in joined_node for w in ranked)
+    full = len(ranked) == len(info.nodes) or info.reason != "allocation"
+    return Plan(tuple(ranked), all_joined and full and bool(ranked))
