@@ -239,6 +239,7 @@ class AdaptiveDataLoader:
         self._micro = 0  # micro-batches yielded in the current optimiser step
         self._aborted = False
         self.is_sync_step = True
+        self.padded_last_epoch = 0  # repeated samples in the last completed epoch
         # Called after every optimiser step, before the next batch: where the trainer
         # rescales and applies the agent's decisions (they arrive as set_* calls).
         self.on_step_boundary: Callable[[], None] | None = None
@@ -328,6 +329,7 @@ class AdaptiveDataLoader:
             if not restart:
                 break
         self._micro = 0
+        self.padded_last_epoch = self.sampler.padded
         self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def __len__(self) -> int:

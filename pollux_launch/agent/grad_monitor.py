@@ -157,8 +157,11 @@ class GradientNoiseMonitor:
         self.differenced = num_replicas == 1 and accum_steps == 0
         self.collect_local = not self.differenced
         self._step = 0  # synchronising steps since configure
-        # the measurement schedule restarts here on every replica alike (newcomers too)
+        # the measurement schedule restarts here on every replica alike (newcomers too):
+        # measure every step until the interval is adapted again, from shared numbers
         self._measured = 0
+        self.interval = 1
+        self._shared_ratio = None
         self._last_record: int | None = None
         self._last_finish: float | None = None
         self._prev: list[torch.Tensor] | None = None  # differenced: the previous step

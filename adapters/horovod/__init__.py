@@ -1,0 +1,30 @@
+"""Horovod Elastic under pollux-run (installed as ``pollux_launch.adapters.horovod``).
+
+* :mod:`.hosts`     allocation -> ``host:slots``; a hosts-file mirror and ``cat`` discovery
+* :mod:`.discover`  ``python -m pollux_launch.adapters.horovod.discover`` (direct from store)
+* :mod:`.command`   the ``horovodrun`` command line and exit-code rules for the launcher
+* :mod:`.optimizer` ``DistributedOptimizer``: ``hvd.DistributedOptimizer`` plus step timing
+  and the gradient noise scale (Pollux Sec. 3.1-3.2)
+
+This package imports neither torch nor horovod until ``DistributedOptimizer`` is used, so
+the discovery entry point (run every second by Horovod's driver) stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .command import HOROVOD_INSTALL_HINT, horovod_available, require_horovod
+
+__all__ = [
+    "HOROVOD_INSTALL_HINT", "DistributedOptimizer", "HorovodMeasurement",
+    "horovod_available", "require_horovod",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DistributedOptimizer", "HorovodMeasurement"):
+        from . import optimizer
+
+        return getattr(optimizer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

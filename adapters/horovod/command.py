@@ -1,0 +1,100 @@
+"""What ``pollux-run`` needs to launch a Horovod Elastic job: the install check, the
+``horovodrun`` command line and how to read workers' exit codes.
+
+Horovod's own elastic driver launches and resets the workers; ``pollux-run`` runs one
+``horovodrun --gloo`` process whose host list comes from the job's allocation (a
+discovery script, see :mod:`.hosts`). Facts this encodes (measured with Horovod 0.28.1):
+
+* on a single host the driver needs ``--network-interface lo`` (else it waits for a
+  second host's interface to appear);
+* a worker removed by a reset aborts with exit code 134 (SIGABRT) - expected, not a
+  failure; ``horovodrun`` itself exits 0 when the job completes;
+* the driver polls the discovery script about once a second, so it must be cheap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+HOROVOD_INSTALL_HINT = (
+    "Horovod is not installed in this environment; install it with scripts/install-horovod.sh "
+    "(builds Horovod 0.28.1 with PyTorch and Gloo once, ~10 min, then reuses the cached wheel)"
+)
+
+# A worker that Horovod's driver removed in a reset exits with SIGABRT's status.
+REMOVED_WORKER_EXIT_CODE = 134
+
+
+def horovod_available() -> bool:
+    """Whether ``horovod`` can be imported here (without importing it)."""
+    return importlib.util.find_spec("horovod") is not None
+
+
+def require_horovod() -> None:
+    """Raise ``RuntimeError`` with the one-line install hint if Horovod is missing."""
+    if not horovod_available():
+        raise RuntimeError(HOROVOD_INSTALL_HINT)
+
+
+def horovodrun_path() -> str:
+    """The ``horovodrun`` next to this Python (a virtualenv's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("horovodrun")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("horovodrun")
+    if found is None:
+        raise RuntimeError(HOROVOD_INSTALL_HINT)
+    return found
+
+
+def horovodrun_command(
+    command: Sequence[str],
+    *,
+    discovery_script: str,
+    np: int,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    network_interface: str | None = "lo",
+    slots_per_host: int | None = None,
+    elastic_timeout: int | None = None,
+    reset_limit: int | None = None,
+    start_timeout: int | None = None,
+    verbose: bool = False,
+    extra_args: Sequence[str] = (),
+    horovodrun: str | None = None,
+) -> list[str]:
+    """``horovodrun --gloo`` in elastic mode for ``command`` (the user's script argv).
+
+    ``network_interface`` "lo" is right on one host; pass None (or the NIC) across hosts.
+    ``extra_args`` are the user's other horovodrun flags, passed through unchanged.
+    """
+    if not command:
+        raise ValueError("no training command given; e.g. pollux-run -np 2 python train.py")
+    if np < 1 or (min_np is not None and not 1 <= min_np <= np) or (
+            max_np is not None and max_np < np):
+        raise ValueError(f"need 1 <= min-np <= np <= max-np, got np={np}, "
+                         f"min-np={min_np}, max-np={max_np}")
+    argv = [horovodrun or horovodrun_path(), "--gloo", "-np", str(np),
+            "--host-discovery-script", discovery_script]
+    for flag, value in (("--min-np", min_np), ("--max-np", max_np),
+                        ("--network-interface", network_interface),
+                        ("--slots-per-host", slots_per_host),
+                        ("--elastic-timeout", elastic_timeout), ("--reset-limit", reset_limit),
+                        ("--start-timeout", start_timeout)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if verbose:
+        argv.append("--verbose")
+    return [*argv, *extra_args, *command]
+
+
+def worker_failed(exit_code: int | None, removed_by_reset: bool = True) -> bool:
+    """Whether a worker's exit code is a real failure: 0 is success, and 134 is how
+    Horovod ends a worker that a reset removed (expected when ``removed_by_reset``)."""
+    if exit_code is None or exit_code == 0:
+        return False
+    return not (removed_by_reset and exit_code == REMOVED_WORKER_EXIT_CODE)

@@ -1,0 +1,164 @@
+"""Horovod host lists from the coordinator's allocation (what the elastic driver polls).
+
+Horovod's elastic driver runs a *host-discovery script* about once a second and reads
+``host:slots`` lines from its stdout. A Pollux job's hosts are its current
+``Allocation`` (``jobs/<job>/allocation``: one node name per replica), so:
+
+* :func:`hosts_from_allocation` turns an allocation into ``[(host, slots), ...]`` (pure);
+* :func:`format_hosts` renders them as the driver expects;
+* :class:`HostsFileMirror` follows the allocation in the store (one ``Store.wait`` watch,
+  no polling) and keeps a local *hosts file* up to date with atomic renames, so that
+  the discovery script the driver runs every second is just ``cat`` of that file
+  (:func:`write_discovery_script`; ~3 ms per poll here, versus ~0.2-0.8 s for the
+  Python entry point on this busy 2-core machine).
+
+``python -m pollux_launch.adapters.horovod.discover`` reads the store directly instead
+(no launcher-side mirror needed; light imports only) - see that module.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from pollux_launch import keys
+from pollux_launch.messages import Allocation, MessageError, decode
+from pollux_launch.rendezvous.store.base import Store
+
+
+def hosts_from_allocation(
+    alloc: Allocation | None, addresses: Mapping[str, str] | None = None
+) -> list[tuple[str, int]]:
+    """``[(host, slots)]`` in order of first appearance; ``addresses`` maps a node name
+    to the host name Horovod should use (default: the node name itself). Nodes that map
+    to the same host are merged (Horovod needs each host once)."""
+    if alloc is None:
+        return []
+    slots: dict[str, int] = {}
+    for node in alloc.nodes:
+        host = addresses.get(node, node) if addresses else node
+        slots[host] = slots.get(host, 0) + 1
+    return list(slots.items())
+
+
+def format_hosts(hosts: Sequence[tuple[str, int]]) -> str:
+    """The discovery script's output: one ``host:slots`` line per host."""
+    for host, n in hosts:
+        if not host or any(c.isspace() or c == ":" for c in host) or n < 1:
+            raise ValueError(f"bad host entry {host!r}:{n}; need a host name and slots >= 1")
+    return "".join(f"{host}:{n}\n" for host, n in hosts)
+
+
+def read_allocation(store: Store, job: str) -> Allocation | None:
+    """The job's current allocation, None if there is none (or it is malformed)."""
+    kv = store.get(keys.job(job, "allocation"))
+    if kv is None:
+        return None
+    try:
+        return decode(Allocation, kv.value)
+    except MessageError:
+        return None
+
+
+def write_hosts_file(path: str | os.PathLike[str], text: str) -> None:
+    """Replace ``path`` atomically (a reader sees the old or the new list, never half)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_discovery_script(
+    path: str | os.PathLike[str], hosts_file: str | os.PathLike[str]
+) -> Path:
+    """An executable ``/bin/sh`` script printing ``hosts_file`` (for
+    ``horovodrun --host-discovery-script``); returns its path."""
+    path = Path(path)
+    path.write_text(f"#!/bin/sh\nexec cat {shlex.quote(str(Path(hosts_file).resolve()))}\n")
+    path.chmod(0o755)
+    return path
+
+
+class HostsFileMirror:
+    """Keeps ``hosts_file`` equal to the job's allocation as ``host:slots`` lines.
+
+    ``start()`` writes the file once (synchronously, so the driver's first poll sees it)
+    and then follows the store from a daemon thread; ``stop()`` ends the thread. The file
+    is rewritten only when the host list changes. ``addresses`` is as in
+    :func:`hosts_from_allocation`. Pass the store in; it is not closed here.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        job: str,
+        hosts_file: str | os.PathLike[str],
+        addresses: Mapping[str, str] | None = None,
+        wait_timeout: float = 5.0,
+    ) -> None:
+        self.store, self.job = store, job
+        self.hosts_file = Path(hosts_file)
+        self.addresses = dict(addresses) if addresses else None
+        self.wait_timeout = wait_timeout
+        self.version: int | None = None  # allocation version last written
+        self.error: BaseException | None = None
+        self._text: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> bool:
+        """Re-read the allocation and rewrite the file if it changed; True if rewritten."""
+        alloc = read_allocation(self.store, self.job)
+        text = format_hosts(hosts_from_allocation(alloc, self.addresses))
+        self.version = alloc.version if alloc is not None else None
+        if text == self._text:
+            return False
+        write_hosts_file(self.hosts_file, text)
+        self._text = text
+        return True
+
+    def start(self) -> HostsFileMirror:
+        self.refresh()
+        self._thread = threading.Thread(
+            target=self._run, name=f"pollux-hosts-{self.job}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        key = keys.job(self.job, "allocation")
+        rev = self.store.revision()
+        while not self._stop.is_set():
+            try:
+                events = self.store.wait(key, rev, self.wait_timeout)
+                if events:
+                    rev = events[-1].revision
+                self.refresh()  # also after a timeout: cheap, and heals any missed event
+            except Exception as exc:  # store briefly unreachable or compacted: re-read later
+                self.error = exc
+                if self._stop.wait(0.5):
+                    return
+                try:
+                    rev = self.store.revision()
+                except Exception:
+                    continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> HostsFileMirror:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

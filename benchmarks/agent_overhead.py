@@ -1,0 +1,182 @@
+"""Per-step overhead of the agent's measurement hooks on 2-worker gloo DDP training (CPU).
+
+Two worker processes train the same ~1M-parameter MLP with DDP over gloo. The run
+alternates blocks of steps without and with the hooks attached (A B A B ..., the order
+inside each pair alternating too, so slow drifts of the machine cancel out); each block is
+timed on rank 0 between barriers. Overhead of a pair = t_with / t_without - 1; the figure
+is the median over pairs.
+
+What is attached is chosen by ``--attach module:function`` (default: the agent's
+measurement hooks, :func:`pollux_launch.agent.hooks.attach_measurement`); the function is
+called as ``f(ddp_model, optimizer, init_batch_size=, num_replicas=, local_bsz=)`` and
+must return an object with ``remove()``.
+
+LAST line: {"overhead_pct": <100 * (t_with / t_without - 1), median of pairs>, with t the
+wall time of a block; "overhead_pct_cpu": the same with t the CPU time both workers spent,
+which a busy shared machine disturbs far less than wall time}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+WORLD = 2
+
+
+def default_attach(model: Any, optimizer: Any, **kw: Any) -> Any:
+    from pollux_launch.agent.hooks import attach_measurement
+
+    return attach_measurement(model, optimizer, **kw)
+
+
+def _resolve(spec: str | None) -> Callable[..., Any]:
+    if not spec:
+        return default_attach
+    mod, _, fn = spec.partition(":")
+    if not fn:
+        raise SystemExit(f"--attach must look like module:function, got {spec!r}")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def make_model() -> torch.nn.Module:
+    # 784*512 + 2*512*512 + 512*10 weights + biases: about 0.93M parameters.
+    return torch.nn.Sequential(
+        torch.nn.Linear(784, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    )
+
+
+def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
+    torch.set_num_threads(1)  # 2 workers share a small CPU; keep them from oversubscribing
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = DDP(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    attach = _resolve(args.attach)
+    gen = torch.Generator().manual_seed(rank)
+    xs = torch.randn(16, args.local_bsz, 784, generator=gen)
+    ys = torch.randint(0, 10, (16, args.local_bsz), generator=gen)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    it = 0
+
+    def run(steps: int) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of both workers) for ``steps`` training steps."""
+        nonlocal it
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            x, y = xs[it % 16], ys[it % 16]
+            it += 1
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+        dist.barrier()
+        wall = time.perf_counter() - t0
+        dist.all_reduce(cpu)
+        return wall, float(cpu)
+
+    # The agent stays attached for a whole training run: attach once (warm-up included,
+    # so adaptive parts settle), then toggle with remove()/reattach() where supported.
+    handle = attach(
+        model,
+        opt,
+        init_batch_size=args.local_bsz * WORLD,
+        num_replicas=WORLD,
+        local_bsz=args.local_bsz,
+    )
+    run(args.warmup)
+    handle.remove()
+    run(args.warmup // 4)
+    pairs = []
+    bar = tqdm(range(args.pairs), desc="pairs", disable=rank != 0)
+    for i in bar:
+        times = {}
+        for with_hooks in (False, True) if i % 2 == 0 else (True, False):
+            if with_hooks:
+                if hasattr(handle, "reattach"):
+                    handle.reattach()
+                else:
+                    handle = attach(
+                        model,
+                        opt,
+                        init_batch_size=args.local_bsz * WORLD,
+                        num_replicas=WORLD,
+                        local_bsz=args.local_bsz,
+                    )
+            times[with_hooks] = run(args.steps)
+            if with_hooks:
+                handle.remove()
+        pairs.append((*times[False], *times[True]))  # wall_a, cpu_a, wall_b, cpu_b
+        if rank == 0 and i % 5 == 4:
+            ov = [p[2] / p[0] - 1 for p in pairs]
+            bar.set_postfix(overhead_pct=f"{100 * statistics.median(ov):.2f}")
+    monitor = getattr(handle, "monitor", None)
+    if rank == 0:
+        with open(out_file + ".info", "w") as f:
+            json.dump({"interval": getattr(monitor, "interval", None)}, f)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(pairs, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=8, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--local-bsz", type=int, default=64)
+    ap.add_argument("--attach", default=None, help="module:function to attach (default: agent)")
+    args = ap.parse_args()
+    n_params = sum(p.numel() for p in make_model().parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "pairs.json")
+        mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), out), nprocs=WORLD, join=True)
+        with open(out) as f:
+            pairs = json.load(f)
+        with open(out + ".info") as f:
+            info = json.load(f)
+
+    def med(i: int) -> float:
+        return statistics.median(p[i] for p in pairs) / args.steps
+
+    wall = 100 * statistics.median(p[2] / p[0] - 1 for p in pairs)
+    cpu = 100 * statistics.median(p[3] / p[1] - 1 for p in pairs)
+    print(
+        f"model {n_params / 1e6:.2f}M params, {WORLD} workers gloo, local batch {args.local_bsz}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"median step wall time: without {1e3 * med(0):.2f} ms, with {1e3 * med(2):.2f} ms; "
+        f"CPU time (both workers): without {1e3 * med(1):.2f} ms, with {1e3 * med(3):.2f} ms"
+    )
+    print(
+        f"{len(pairs)} pairs of {args.steps}-step blocks; noise-scale measured every "
+        f"{info['interval']} step(s); CPU-time overhead {cpu:.2f} % (robust to a loaded machine)"
+    )
+    print(json.dumps({"overhead_pct": round(wall, 3), "overhead_pct_cpu": round(cpu, 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""Pause of the surviving workers per Horovod Elastic reset (the ``horovod`` side of
+benchmarks/rescale.py).
+
+    python benchmarks/horovod_rescale.py [--repeats 3] [--high 4] [--low 2] [--plain]
+
+Real ``horovodrun --gloo`` (elastic, ``--network-interface lo``) runs workers training
+the same ~1M-parameter MLP as the native benchmark (batch 32, SGD with momentum). The
+driver plays the coordinator: it rewrites the job's allocation in a real embedded store;
+a :class:`HostsFileMirror` turns it into the hosts file that Horovod's discovery script
+(``cat``) reports. Cycles ``high -> low -> high``, ``--repeats`` times.
+
+Pause, per survivor and reset, with the native benchmark's definition: from the step
+boundary where the survivor learns of the change (Horovod raises ``HostsUpdatedInterrupt``
+in ``state.check_host_updates()``, called every step) to the completion of its first
+collective in the new group - the state broadcast (``state.sync()``) when workers were
+added, else the first gradient all-reduce. ``*_to_step_s`` runs to the end of the first
+full step; ``*_from_allocation_s`` from the driver's store write to that end (adds the
+driver's ~1 s discovery polling). Newcomers cannot be pre-started with Horovod: its
+driver launches them after discovery, so an up-scale waits for their start-up.
+
+An up-scale's pause is mostly waiting for the newcomers: ``horovod_up_newcomer_*_s``
+give when (after the allocation write) their Python started and their ``hvd.init()``
+returned, ``*_reset_s`` when the survivors' Horovod reset (``shutdown(); init()``) ended.
+
+``--plain`` uses ``hvd.DistributedOptimizer`` instead of pollux_launch's drop-in.
+:func:`measure` is the function benchmarks/rescale.py calls; the LAST line printed is one
+JSON object with ``horovod_down_pause_s`` and ``horovod_up_pause_s`` (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+JOB = "bench-horovod"
+
+
+# ======================================================================================
+# worker side (run by horovodrun)
+# ======================================================================================
+
+
+def worker(log_dir: Path, stop_file: Path, plain: bool) -> None:
+    t_boot = time.time()  # python is up; torch and horovod not yet imported
+    import horovod.torch as hvd
+    import torch
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+
+    hvd.init()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    f = open(log_dir / f"w-{os.getpid()}.jsonl", "a", buffering=1)
+
+    def log(event: str, **fields: object) -> None:
+        f.write(
+            json.dumps(
+                {
+                    "event": event,
+                    "pid": os.getpid(),
+                    "rank": hvd.rank(),
+                    "size": hvd.size(),
+                    "t": time.time(),
+                    **fields,
+                }
+            )
+            + "\n"
+        )
+
+    log("init", t_boot=t_boot)
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 256),
+    )
+    base = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if plain:
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    else:
+        from pollux_launch.adapters.horovod import DistributedOptimizer
+
+        opt = DistributedOptimizer(base, named_parameters=model.named_parameters(), local_bsz=32)
+    state = hvd.elastic.TorchState(model, opt, step=0)
+    state.register_reset_callbacks([lambda: log("reset")])
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        log("enter", step=state.step)  # after reset + state.sync(): in the new group
+        first = True
+        while True:
+            g = torch.Generator().manual_seed(state.step)
+            x = torch.randn(32, 256, generator=g)
+            opt.zero_grad()
+            (model(x) - x).pow(2).mean().backward()
+            opt.synchronize()
+            t_sync = time.time()
+            with opt.skip_synchronize():
+                opt.step()
+            state.step += 1
+            if first:
+                log("first_step", t_sync=t_sync, step=state.step)
+                first = False
+            if state.step % 20 == 0:
+                stop = torch.tensor([float(hvd.rank() == 0 and stop_file.exists())])
+                if hvd.allreduce(stop, op=hvd.Sum, name="stop")[0] > 0:
+                    return
+                log("step", step=state.step)
+            if state.step % 100 == 0:
+                state.commit()
+            try:
+                state.check_host_updates()
+            except HostsUpdatedInterrupt:
+                log("interrupt", step=state.step)
+                raise
+
+    train(state)
+    log("done")
+
+
+# ======================================================================================
+# driver side
+# ======================================================================================
+
+
+def _records(log_dir: Path) -> list[dict]:
+    out = []
+    for path in log_dir.glob("w-*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return sorted(out, key=lambda r: r["t"])
+
+
+def _wait(
+    proc: subprocess.Popen, log_dir: Path, size: int, after: float, timeout: float = 180.0
+) -> list[dict]:
+    """Wait until ``size`` ranks logged a step at world size ``size`` after time ``after``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"horovodrun exited with {proc.returncode}")
+        recs = _records(log_dir)
+        ranks = {
+            r["rank"] for r in recs if r["event"] == "step" and r["size"] == size and r["t"] > after
+        }
+        if len(ranks) == size:
+            return recs
+        time.sleep(0.2)
+    raise RuntimeError(f"no training at {size} workers within {timeout} s")
+
+
+def _newcomers(recs: list[dict], t_alloc: float) -> list[tuple[float, float]]:
+    """(process started, Horovod initialised) after the allocation write, per newcomer."""
+    return [(r["t_boot"] - t_alloc, r["t"] - t_alloc)
+            for r in recs if r["event"] == "init" and r["t_boot"] > t_alloc]
+
+
+def _pauses(recs: list[dict], t_alloc: float, up: bool) -> list[tuple[float, ...]]:
+    """(pause, pause to first step, allocation write to first step, interrupt to the end
+    of Horovod's reset) per survivor."""
+    by_pid: dict[int, list[dict]] = defaultdict(list)
+    for r in recs:
+        by_pid[r["pid"]].append(r)
+    out = []
+    for events in by_pid.values():
+        interrupts = [r for r in events if r["event"] == "interrupt" and r["t"] > t_alloc]
+        if not interrupts:
+            continue  # a newcomer, or a worker that was removed
+        t0 = interrupts[0]["t"]
+        after = [r for r in events if r["t"] > t0]
+        enter = next((r for r in after if r["event"] == "enter"), None)
+        first = next((r for r in after if r["event"] == "first_step"), None)
+        reset = next((r for r in after if r["event"] == "reset"), None)
+        if enter is None or first is None or reset is None:
+            continue  # removed by this reset
+        t_collective = enter["t"] if up else first["t_sync"]
+        out.append((t_collective - t0, first["t"] - t0, first["t"] - t_alloc,
+                    reset["t"] - t0))
+    return out
+
+
+def discovery_cost(runs: int = 10) -> dict:
+    """Median seconds per call of the two discovery paths Horovod's driver could poll:
+    ``cat`` of a mirrored hosts file, and the Python entry point reading the store."""
+    from pollux_launch import keys
+    from pollux_launch.adapters.horovod.hosts import write_discovery_script, write_hosts_file
+    from pollux_launch.messages import Allocation, encode
+    from pollux_launch.rendezvous.store import open_store
+
+    with tempfile.TemporaryDirectory(prefix="pollux-hvd-discover-") as tmp_name:
+        tmp = Path(tmp_name)
+        url = f"embedded://{tmp / 'store.db'}"
+        with open_store(url) as store:
+            store.put(keys.job(JOB, "allocation"), encode(Allocation(1, ("localhost",) * 4)))
+        write_hosts_file(tmp / "hosts", "localhost:4\n")
+        script = write_discovery_script(tmp / "discover.sh", tmp / "hosts")
+        cmds = {
+            "discovery_cat_s": [str(script)],
+            "discovery_python_s": [sys.executable, "-m", "pollux_launch.adapters.horovod.discover",
+                                   "--store", url, "--job", JOB],
+        }
+        out = {}
+        for name, cmd in cmds.items():
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                times.append(time.perf_counter() - t0)
+                assert res.stdout == "localhost:4\n", res.stdout
+            out[name] = round(statistics.median(times), 4)
+        return out
+
+
+def measure(
+    repeats: int = 3, high: int = 4, low: int = 2, plain: bool = False, progress: bool = True
+) -> dict:
+    """Run ``high -> low -> high`` ``repeats`` times under horovodrun; medians in seconds."""
+    from tqdm import tqdm
+
+    from pollux_launch import keys
+    from pollux_launch.adapters.horovod.command import horovodrun_command
+    from pollux_launch.adapters.horovod.hosts import HostsFileMirror, write_discovery_script
+    from pollux_launch.messages import Allocation, encode
+    from pollux_launch.rendezvous.store import open_store
+
+    if not 1 <= low < high:
+        raise ValueError(f"need 1 <= low < high, got low={low}, high={high}")
+    down: list[tuple[float, ...]] = []
+    up: list[tuple[float, ...]] = []
+    newcomers: list[tuple[float, float]] = []
+    with tempfile.TemporaryDirectory(prefix="pollux-hvd-rescale-") as tmp_name:
+        tmp = Path(tmp_name)
+        log_dir, stop, hosts = tmp / "logs", tmp / "stop", tmp / "hosts"
+        log_dir.mkdir()
+        store = open_store(f"embedded://{tmp / 'store.db'}")
+        key = keys.job(JOB, "allocation")
+        version = 1
+        store.put(key, encode(Allocation(version, ("localhost",) * high)))
+        script = write_discovery_script(tmp / "discover.sh", hosts)
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--log-dir",
+            str(log_dir),
+            "--stop-file",
+            str(stop),
+            *(["--plain"] if plain else []),
+        ]
+        argv = horovodrun_command(cmd, discovery_script=str(script), np=high, min_np=1, max_np=high)
+        out = open(tmp / "horovodrun.out", "w")
+        with HostsFileMirror(store, JOB, hosts):
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                with tqdm(
+                    total=1 + 2 * repeats,
+                    desc="horovod rescale",
+                    unit="phase",
+                    file=sys.stderr,
+                    disable=not progress,
+                ) as bar:
+                    _wait(proc, log_dir, high, 0.0)
+                    bar.update()
+                    for _ in range(repeats):
+                        for size, sink in ((low, down), (high, up)):
+                            version += 1
+                            t_alloc = time.time()
+                            store.put(key, encode(Allocation(version, ("localhost",) * size)))
+                            recs = _wait(proc, log_dir, size, t_alloc)
+                            sink += _pauses(recs, t_alloc, up=sink is up)
+                            if sink is up:
+                                newcomers += _newcomers(recs, t_alloc)
+                            bar.update()
+                stop.touch()
+                rc = proc.wait(timeout=120)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close()
+                store.close()
+        if rc != 0:
+            tail = (tmp / "horovodrun.out").read_text()[-2000:]
+            raise RuntimeError(f"horovodrun exited with {rc}:\n{tail}")
+
+    def med(rows: list[tuple[float, ...]], i: int) -> float | None:
+        return round(statistics.median(r[i] for r in rows), 4) if rows else None
+
+    return {
+        "horovod_down_pause_s": med(down, 0),
+        "horovod_up_pause_s": med(up, 0),
+        "horovod_down_pause_to_step_s": med(down, 1),
+        "horovod_up_pause_to_step_s": med(up, 1),
+        "horovod_down_from_allocation_s": med(down, 2),
+        "horovod_up_from_allocation_s": med(up, 2),
+        "horovod_down_reset_s": med(down, 3),
+        "horovod_up_reset_s": med(up, 3),
+        "horovod_up_newcomer_started_s": med(newcomers, 0),
+        "horovod_up_newcomer_initialised_s": med(newcomers, 1),
+        "horovod_down_pause_max_s": round(max(r[0] for r in down), 4) if down else None,
+        "horovod_up_pause_max_s": round(max(r[0] for r in up), 4) if up else None,
+        "horovod_samples": [len(down), len(up)],
+        "horovod_sizes": [high, low],
+        "horovod_optimizer": "hvd" if plain else "pollux",
+        "repeats": repeats,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="high->low->high cycles")
+    p.add_argument("--high", type=int, default=4)
+    p.add_argument("--low", type=int, default=2)
+    p.add_argument("--plain", action="store_true", help="hvd.DistributedOptimizer itself")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--stop-file", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.log_dir, args.stop_file, args.plain)
+        return 0
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    try:
+        result = {**discovery_cost(), **measure(args.repeats, args.high, args.low, args.plain)}
+    except (RuntimeError, ValueError) as exc:
+        print(f"horovod_rescale: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
