@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the tests need and runs the whole suite:
-#   Debian's etcd-server (a real etcd for the store tests), g++ and ninja (DeepSpeed's
-#   CPU op JIT), the .venv with every extra, then ruff and pytest.
+#   Debian's etcd-server (a real etcd for the store tests) and g++ (DeepSpeed's CPU op JIT,
+#   the Horovod build), the .venv with every extra, Horovod (built once, then installed
+#   from a wheel cached outside the repo: scripts/install-horovod.sh), then ruff and pytest.
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,8 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # (this machine's pip config names local indexes that may be absent: silence only that noise)
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2> >(grep -v '^WARNING: Location' >&2)
+
+scripts/install-horovod.sh
 
 .venv/bin/ruff check .
 exec .venv/bin/pytest "$@"
