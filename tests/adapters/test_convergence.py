@@ -1,0 +1,29 @@
+"""Convergence parity on the digits example: letting the agent grow the batch up to
+8 x M0 (with its LR scaling) reaches the fixed-M0 run's validation accuracy within one
+point, for the same number of statistical epochs."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
+
+
+def train(*args: str) -> tuple[float, int]:
+    """Final validation accuracy and the largest total batch the run used."""
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "20", *args],
+                         capture_output=True, text=True, timeout=600, env={"PATH": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    match = re.search(r"final val_acc ([0-9.]+)", out.stdout)
+    assert match, out.stdout[-2000:]
+    batches = [int(b) for b in re.findall(r"\| batch (\d+) =", out.stdout)]
+    return float(match.group(1)), max(batches)
+
+
+def test_adaptive_batch_matches_fixed_batch_accuracy():
+    fixed, fixed_batch = train("--batch-size", "32", "--max-batch-size", "32")
+    adaptive, adaptive_batch = train("--batch-size", "32", "--max-batch-size", "256")
+    assert fixed > 0.9 and fixed_batch == 32  # the baseline learned the task at M0
+    assert adaptive_batch > 64, "the agent never grew the batch: nothing was compared"
+    assert adaptive >= fixed - 0.01, (adaptive, fixed)
