@@ -1,0 +1,51 @@
+"""One call from a workload file and a policy name to a :class:`SimResult`.
+
+Policy names are those of :func:`pollux_launch.policy.make_policy` (the Pollux objective
+searched by different engines) plus the non-adaptive TunedJobs baselines of
+:mod:`pollux_launch.sim.baselines`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from pollux_launch.policy import DEFAULT_POLICY, POLICIES, Policy, make_policy
+from pollux_launch.sim.baselines import BASELINES
+from pollux_launch.sim.simulator import SimConfig, SimResult, simulate
+from pollux_launch.sim.traces import MODELS_DIR, available_models, load_model
+from pollux_launch.sim.workload import load_workload
+
+
+def policy_names() -> list[str]:
+    """Every name ``--policy`` accepts."""
+    return sorted(set(POLICIES) | set(BASELINES))
+
+
+def build_policy(name: str | None, cfg: SimConfig, seed: int = 0,
+                 options: dict | None = None) -> tuple[str, Policy, bool]:
+    """(resolved name, policy, adaptive?) for ``name`` (None: the default policy).
+
+    Pollux engines get the re-allocation delay as their penalty's delta, the seed, and
+    any further ``options`` (e.g. ``p``).
+    """
+    name = name or DEFAULT_POLICY
+    if name in BASELINES:
+        return name, BASELINES[name](), False
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(policy_names())}")
+    options = {"delta": cfg.realloc_delay, "seed": seed, **(options or {})}
+    return name, make_policy(name, **options), True
+
+
+def run_workload(workload: str | Path, policy: str | None = None, cfg: SimConfig | None = None,
+                 *, seed: int = 0, progress: bool = False, options: dict | None = None,
+                 models_dir: str | Path = MODELS_DIR) -> SimResult:
+    """Load ``workload`` and simulate it under ``policy`` on a ``cfg`` cluster."""
+    cfg = cfg or SimConfig()
+    name, engine, adaptive = build_policy(policy, cfg, seed, options)
+    if cfg.adaptive != adaptive:
+        cfg = dataclasses.replace(cfg, adaptive=adaptive)
+    specs = load_workload(workload, available_models(models_dir))
+    traces = {app: load_model(app, models_dir) for app in {s.application for s in specs}}
+    return simulate(specs, traces, engine, cfg, policy_name=name, progress=progress)

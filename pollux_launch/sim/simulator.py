@@ -1,0 +1,415 @@
+"""The simulated cluster: replay a workload through a policy, round by round.
+
+Timeline (as in the Pollux authors' simulator, so figures are comparable): every
+``interval`` seconds all jobs advance, then the policy sees every submitted, unfinished
+job and returns the next allocation matrix; a job whose allocation changed pays
+``realloc_delay`` seconds of no progress (checkpoint-restart), its first start included.
+Between rounds a job advances epoch by epoch at its *true* goodput
+``r / T_iter`` (M0-iterations per second, ``T_iter = step + s * (step - sync)``) read
+from the trace tables, and re-picks its per-GPU batch size and accumulation steps at
+every epoch boundary.
+
+What a job *knows* is what a real Pollux agent would know: the (nodes, replicas,
+per-GPU batch) configurations it has run and their measured step/sync times (refit
+with ``fit_perf_params`` before each round in which it saw a new one), and the
+gradient statistics of its current batch size and epoch. Before its first step it has
+no model and reports a linear speedup limited to one GPU (the exploration cap, 2x the
+most replicas seen, then lets it grow), as in the Pollux authors' simulator.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from pollux_launch.goodput import (
+    GoodputFunction,
+    GradParams,
+    SpeedupFunction,
+    fit_perf_params,
+)
+from pollux_launch.policy import JobInfo, Policy, PolicyNode
+from pollux_launch.sim.traces import (
+    PINNED_BATCH_SIZE,
+    PINNED_MAX_REPLICAS,
+    ModelTrace,
+)
+from pollux_launch.sim.workload import JobSpec
+
+EPS = 1e-8  # tolerance of ceil() on batch-size ratios
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cluster and timing of one simulation (defaults: the Pollux paper's setup)."""
+
+    nodes: int = 16
+    gpus_per_node: int = 4
+    interval: float = 60.0  # seconds between scheduling rounds
+    realloc_delay: float = 30.0  # seconds of no progress after each allocation change
+    interference: float = 0.0  # slowdown of distributed jobs sharing a node (0 = none)
+    adaptive: bool = True  # False: TunedJobs, jobs keep their workload batch size
+    max_time: float = 60 * 86400.0  # give up (error) past this much simulated time
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError("the cluster needs at least 1 node with at least 1 GPU")
+        if not self.interval > 0:
+            raise ValueError(f"interval must be > 0 seconds, got {self.interval}")
+        if self.realloc_delay < 0:
+            raise ValueError(f"realloc delay must be >= 0 seconds, got {self.realloc_delay}")
+        if not 0.0 <= self.interference < 1.0:
+            raise ValueError(f"interference must be in [0, 1), got {self.interference}")
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def _linear_speedup(num_nodes, num_replicas):
+    """Prior of a job that has not run yet: speedup proportional to GPUs."""
+    return np.asarray(num_replicas, dtype=float)
+
+
+class SimJob:
+    """One job: its true state in the simulated world and its agent's learned model."""
+
+    def __init__(self, spec: JobSpec, trace: ModelTrace, cfg: SimConfig, index: int):
+        self.spec, self.trace, self.cfg, self.index = spec, trace, cfg, index
+        self.name = spec.name
+        pinned = PINNED_BATCH_SIZE.get(trace.name)
+        if cfg.adaptive:
+            self.fixed_batch = pinned
+            self.replica_cap = PINNED_MAX_REPLICAS.get(trace.name)
+        else:
+            self.fixed_batch = spec.batch_size
+            self.replica_cap = spec.num_replicas
+        # true state
+        self.alloc = np.zeros(cfg.nodes, dtype=int)
+        self.placement: tuple[int, ...] = ()
+        self.atomic_bsz = 0
+        self.accum_steps = 0
+        self.rescale_left = 0.0
+        self.progress = 0.0
+        self.epoch = 0
+        self.completion_time: float | None = None
+        self.restarts: int | None = None  # None until first started
+        self.attained_service = 0.0  # GPU-seconds
+        # agent's knowledge
+        self.profile: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self.max_seen_replicas = 0
+        self.perf_params = None
+        self.grad_params = None
+        self._stale = False
+        self._speedup_key = None
+        self._speedup_fn = _linear_speedup
+
+    # --- agent side ---------------------------------------------------------------------
+    @property
+    def bsz_bounds(self) -> tuple[int, int]:
+        return self.trace.min_local_bsz, self.trace.max_local_bsz
+
+    def observe(self, nodes: int, replicas: int, atomic: int, step: float, sync: float,
+                sqr: float, var: float) -> None:
+        """Record what the agent measured this step (a new configuration marks a refit)."""
+        self.grad_params = GradParams(sqr, var)
+        key = (nodes, replicas, atomic)
+        if key not in self.profile:
+            self.profile[key] = (step, sync)
+            self.max_seen_replicas = max(self.max_seen_replicas, replicas)
+            self._stale = True
+
+    def refit(self) -> None:
+        """Refit the throughput model to every configuration run so far (Pollux Sec. 4.1).
+
+        Called once per scheduling round, before the job reports to the policy, as a real
+        agent refits periodically rather than after every step.
+        """
+        if not self._stale:
+            return
+        self._stale = False
+        keys = np.array(list(self.profile), dtype=int)
+        vals = np.array(list(self.profile.values()), dtype=float)
+        self.perf_params = fit_perf_params(
+            keys[:, 0], keys[:, 1], keys[:, 2], np.zeros(len(keys), dtype=int),
+            vals[:, 0], vals[:, 1])
+        self.choose_batch()  # a new model may prefer another (m, s) for the same GPUs
+
+    def goodput_fn(self) -> GoodputFunction:
+        return GoodputFunction(self.perf_params, self.grad_params, self.trace.init_batch_size)
+
+    def speedup_fn(self):
+        """The job's current speedup function (cached until its model changes)."""
+        if self.perf_params is None:
+            return _linear_speedup
+        key = (id(self.perf_params), self.grad_params)
+        if key != self._speedup_key:
+            self._speedup_key = key
+            self._speedup_fn = SpeedupFunction(
+                self.goodput_fn(), self.trace.max_batch_size, self.bsz_bounds,
+                True, fixed_batch_size=self.fixed_batch)
+        return self._speedup_fn
+
+    def max_replicas(self) -> int:
+        """Most GPUs the policy may give: the exploration cap and the model's limits."""
+        if self.replica_cap is not None:
+            return int(self.replica_cap)
+        cap = max(2 * self.max_seen_replicas, 1)  # exploration cap (Pollux Sec. 4.1)
+        return int(min(cap, self.trace.max_replicas, self.cfg.total_gpus,
+                       self.trace.max_batch_size // self.trace.min_local_bsz))
+
+    def job_info(self, now: float) -> JobInfo:
+        if self.cfg.adaptive:  # TunedJobs never use a model: save the fit
+            self.refit()
+        return JobInfo(name=self.name, speedup_fn=self.speedup_fn(),
+                       age=now - self.spec.submit_time, restarts=self.restarts or 0,
+                       min_replicas=0, max_replicas=self.max_replicas(), preemptible=True)
+
+    def choose_batch(self) -> None:
+        """Pick (per-GPU batch m, accumulation steps s) for the current placement."""
+        if not self.placement:
+            return
+        tr = self.trace
+        nodes, replicas = len(self.placement), sum(self.placement)
+        batch = self.fixed_batch
+        if batch is None and self.perf_params is None:  # no model yet: smallest batch
+            batch = max(tr.init_batch_size, tr.min_local_bsz * replicas)
+        if batch is None:
+            _, atomic, accum = self.goodput_fn().optimize(
+                nodes, replicas, tr.max_batch_size, self.bsz_bounds, accumulation=True)
+            atomic, accum = int(atomic), int(accum)
+        else:
+            local = math.ceil(batch / replicas - EPS)
+            accum = math.ceil(local / tr.max_local_bsz - EPS) - 1
+            if replicas == 1 and batch > tr.init_batch_size:
+                accum = max(1, accum)  # as the agent does: >= 2 micro-batches for stats
+            atomic = math.ceil(local / (accum + 1) - EPS)
+        count = replicas * (accum + 1)
+        self.atomic_bsz = max(1, min(atomic, tr.max_batch_size // count))
+        self.accum_steps = accum
+
+    # --- true dynamics -------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return sum(self.placement) * self.atomic_bsz * (self.accum_steps + 1)
+
+    def reallocate(self, row: np.ndarray) -> None:
+        self.alloc = row.copy()
+        self.placement = tuple(int(c) for c in row if c > 0)
+        if self.placement:
+            self.rescale_left = self.cfg.realloc_delay
+            self.restarts = 0 if self.restarts is None else self.restarts + 1
+            self.choose_batch()
+        else:
+            self.atomic_bsz = self.accum_steps = 0
+
+    def advance(self, start: float, seconds: float, interference: float = 0.0) -> None:
+        """Run for ``seconds`` from time ``start`` (epoch by epoch, at the true goodput)."""
+        if not self.placement or self.completion_time is not None:
+            return
+        gpus = sum(self.placement)
+        delay = min(self.rescale_left, seconds)
+        self.rescale_left -= delay
+        self.attained_service += delay * gpus
+        left = seconds - delay
+        tr = self.trace
+        nodes, replicas = len(self.placement), gpus
+        while left > 0:
+            step, sync = tr.step_time(self.placement, self.atomic_bsz)
+            batch = self.batch_size
+            sqr, var = tr.grad_stats(batch, self.epoch)
+            scale = batch / tr.init_batch_size
+            gain = (var + sqr) / (var / scale + sqr)
+            self.observe(nodes, replicas, self.atomic_bsz, step, sync, float(sqr), float(var))
+            goodput = gain / (step + self.accum_steps * (step - sync)) * (1.0 - interference)
+            target = tr.epoch_progress[self.epoch + 1]
+            if self.progress + goodput * left < target:
+                self.progress += goodput * left
+                self.attained_service += left * gpus
+                return
+            dt = (target - self.progress) / goodput
+            self.progress = float(target)
+            self.epoch += 1
+            self.attained_service += dt * gpus
+            left -= dt
+            if self.epoch >= tr.max_epochs:
+                self.completion_time = start + seconds - left
+                return
+            self.choose_batch()  # new epoch, new gradient statistics: re-pick (m, s)
+
+    def true_efficiency(self) -> float:
+        if not self.placement or self.completion_time is not None:
+            return float("nan")
+        return float(self.trace.efficiency(self.batch_size, self.epoch))
+
+
+@dataclass
+class SimResult:
+    """Everything one simulation measured."""
+
+    policy: str
+    config: SimConfig
+    submit: dict[str, float]
+    completion: dict[str, float]
+    application: dict[str, str]
+    restarts: dict[str, int]
+    max_gpus: dict[str, int] = field(default_factory=dict)  # most GPUs each job ever held
+    times: list[float] = field(default_factory=list)  # one entry per scheduling round
+    allocated_gpus: list[int] = field(default_factory=list)
+    active_jobs: list[int] = field(default_factory=list)
+    avg_efficiency: list[float] = field(default_factory=list)
+    solve_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def jcts(self) -> dict[str, float]:
+        return {k: self.completion[k] - self.submit[k] for k in self.completion}
+
+    def summary(self) -> dict:
+        jct = np.array(list(self.jcts.values()), dtype=float)
+        solve = np.array(self.solve_ms, dtype=float)
+        total = self.config.total_gpus
+        util = np.array(self.allocated_gpus, dtype=float) / total
+        return {
+            "policy": self.policy,
+            "jobs": len(self.submit),
+            "avg_jct": float(jct.mean()),
+            "p99_jct": float(np.percentile(jct, 99)),
+            "makespan": float(max(self.completion.values()) - min(self.submit.values())),
+            "rounds": len(self.solve_ms),
+            "solve_ms_median": float(np.median(solve)) if solve.size else 0.0,
+            "solve_ms_p95": float(np.percentile(solve, 95)) if solve.size else 0.0,
+            "avg_gpu_utilization": float(util.mean()) if util.size else 0.0,
+            "total_restarts": int(sum(self.restarts.values())),
+            "nodes": self.config.nodes,
+            "gpus_per_node": self.config.gpus_per_node,
+            "interval": self.config.interval,
+            "realloc_delay": self.config.realloc_delay,
+            "sim_wall_s": round(self.wall_s, 3),
+        }
+
+    def to_json(self) -> dict:
+        """Summary plus per-job JCTs and the per-round timeline (for summary.json)."""
+        out = self.summary()
+        out["jcts"] = self.jcts
+        out["timeline"] = {
+            "time": self.times, "allocated_gpus": self.allocated_gpus,
+            "gpu_utilization": [g / self.config.total_gpus for g in self.allocated_gpus],
+            "active_jobs": self.active_jobs,
+            "avg_efficiency": [None if math.isnan(e) else e for e in self.avg_efficiency],
+            "solve_ms": self.solve_ms,
+        }
+        return out
+
+
+def _interfered(jobs: Sequence[SimJob], cfg: SimConfig) -> set[int]:
+    """Indices of distributed jobs that share a node with another distributed job."""
+    if cfg.interference <= 0:
+        return set()
+    dist = [j for j in jobs if len(j.placement) > 1 and j.completion_time is None]
+    per_node = np.zeros(cfg.nodes, dtype=int)
+    for j in dist:
+        per_node += j.alloc > 0
+    return {j.index for j in dist if np.any(per_node[j.alloc > 0] > 1)}
+
+
+def simulate(
+    specs: Sequence[JobSpec],
+    traces: dict[str, ModelTrace],
+    policy: Policy,
+    cfg: SimConfig = SimConfig(),
+    *,
+    policy_name: str | None = None,
+    progress: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
+) -> SimResult:
+    """Run ``specs`` on a ``cfg`` cluster scheduled by ``policy`` until every job is done."""
+    if not specs:
+        raise ValueError("the workload has no jobs")
+    if not cfg.adaptive:
+        too_big = [s for s in specs if (s.num_replicas or 0) > cfg.total_gpus]
+        missing = [s for s in specs if s.num_replicas is None or s.batch_size is None]
+        if missing:
+            raise ValueError("TunedJobs baselines need the workload's num_replicas and "
+                             f"batch_size columns (job {missing[0].name} has none)")
+        if too_big:
+            raise ValueError(f"job {too_big[0].name} wants {too_big[0].num_replicas} GPUs but "
+                             f"the cluster has {cfg.total_gpus}; use a larger --nodes")
+    t_wall = clock()
+    jobs = [SimJob(s, traces[s.application], cfg, i) for i, s in enumerate(specs)]
+    nodes = [PolicyNode(f"node{n}", cfg.gpus_per_node) for n in range(cfg.nodes)]
+    result = SimResult(policy=policy_name or getattr(policy, "name", type(policy).__name__),
+                       config=cfg, submit={j.name: j.spec.submit_time for j in jobs},
+                       completion={}, application={j.name: j.spec.application for j in jobs},
+                       restarts={})
+    pending = sorted(jobs, key=lambda j: (j.spec.submit_time, j.index))
+    active: list[SimJob] = []
+    now, nxt = 0.0, 0
+    bar = tqdm(total=len(jobs), desc=f"simulate {result.policy}", unit="job",
+               file=sys.stderr, disable=not progress, mininterval=0.5, leave=False)
+    try:
+        while len(result.completion) < len(jobs):
+            if not active and nxt < len(pending):  # idle cluster: skip to the next arrival
+                # Rounds stay on the k * interval grid (k >= 1), as in the authors' simulator.
+                first = pending[nxt].spec.submit_time
+                k = max(1, math.ceil(first / cfg.interval - EPS))
+                now = max(now, k * cfg.interval)
+            else:
+                hit = _interfered(active, cfg)
+                for job in active:
+                    job.advance(now, cfg.interval, cfg.interference if job.index in hit else 0)
+                now += cfg.interval
+            if now > cfg.max_time:
+                raise RuntimeError(f"simulation passed {cfg.max_time:.0f} s with "
+                                   f"{len(jobs) - len(result.completion)} jobs unfinished")
+            done = [j for j in active if j.completion_time is not None]
+            for job in done:
+                result.completion[job.name] = job.completion_time
+                result.restarts[job.name] = job.restarts or 0
+            if done:
+                bar.update(len(done))
+                active = [j for j in active if j.completion_time is None]
+            while nxt < len(pending) and pending[nxt].spec.submit_time <= now:
+                active.append(pending[nxt])
+                nxt += 1
+            if not active:
+                continue
+            infos = [j.job_info(now) for j in active]
+            current = np.stack([j.alloc for j in active])
+            t0 = clock()
+            alloc = np.asarray(policy.optimize(infos, nodes, current), dtype=int)
+            result.solve_ms.append((clock() - t0) * 1e3)
+            _check(alloc, current.shape, cfg, infos)
+            for job, row in zip(active, alloc, strict=True):
+                if not np.array_equal(row, job.alloc):
+                    job.reallocate(row)
+                    held = int(row.sum())
+                    if held > result.max_gpus.get(job.name, 0):
+                        result.max_gpus[job.name] = held
+            eff = [j.true_efficiency() for j in active if j.placement]
+            result.times.append(now)
+            result.allocated_gpus.append(int(alloc.sum()))
+            result.active_jobs.append(len(active))
+            result.avg_efficiency.append(float(np.mean(eff)) if eff else float("nan"))
+            bar.set_postfix_str(f"t={now / 3600:.1f}h active={len(active)}", refresh=False)
+    finally:
+        bar.close()
+    result.wall_s = clock() - t_wall
+    return result
+
+
+def _check(alloc: np.ndarray, shape, cfg: SimConfig, infos: Sequence[JobInfo]) -> None:
+    """The simulator trusts no policy: wrong shapes or over-full nodes are bugs."""
+    if alloc.shape != tuple(shape):
+        raise RuntimeError(f"policy returned shape {alloc.shape}, expected {tuple(shape)}")
+    if np.any(alloc < 0) or np.any(alloc.sum(axis=0) > cfg.gpus_per_node):
+        raise RuntimeError("policy over-allocated a node or returned negative replicas")
+    over = [i.name for i, row in zip(infos, alloc, strict=True) if row.sum() > i.max_replicas]
+    if over:
+        raise RuntimeError(f"policy gave job {over[0]} more than its max_replicas")
