@@ -1,0 +1,223 @@
+"""A two-node logical cluster on this machine: real etcd, real node agents, a real
+coordinator, jobs submitted with pollux-run, workers training with the native adapter.
+
+Node agents are named n1 and n2 (2 slots each); every process talks over loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pollux_launch import keys
+from pollux_launch.messages import Allocation, JobStatus, MessageError, NodeInfo, decode
+from pollux_launch.rendezvous.store import open_store
+
+POLLUX_RUN = str(Path(sys.executable).with_name("pollux-run"))
+WORKER = str(Path(__file__).with_name("digits_worker.py"))
+SECRET = "e2e-test-secret-not-for-production"
+
+
+class Cluster:
+    def __init__(self, url: str, tmp: Path) -> None:
+        self.url, self.tmp = url, tmp
+        self.env = {**os.environ, "POLLUX_SECRET": SECRET, "LOG_DIR": str(tmp / "logs")}
+        (tmp / "logs").mkdir()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.store = open_store(url)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "a")
+        self.procs[name] = subprocess.Popen([POLLUX_RUN, *args], env=self.env, cwd=self.tmp,
+                                            stdout=log, stderr=subprocess.STDOUT, text=True)
+        return self.procs[name]
+
+    def coordinator(self) -> None:
+        self.start("coordinator", "coordinator", "--store", self.url, "--interval", "2",
+                   "--realloc-delay", "1", "--lease-ttl", "2")
+
+    def agent(self, node: str, slots: int) -> None:
+        self.start(f"agent-{node}", "agent", "--store", self.url, "--node-name", node,
+                   "--slots", str(slots), "--lease-ttl", "2", "--address", "127.0.0.1")
+
+    def submit(self, job: str, *flags: str, target: float = 0.85) -> subprocess.Popen:
+        stop = self.tmp / f"{job}.stop"
+        return self.start(job, "--store", self.url, "--job-name", job, *flags, sys.executable,
+                          WORKER, "--stop-file", str(stop), "--target", str(target),
+                          "--step-delay", "0.1")
+
+    def stop_job(self, job: str) -> None:
+        (self.tmp / f"{job}.stop").touch()
+
+    def allocation(self, job: str) -> tuple[str, ...]:
+        kv = self.store.get(keys.job(job, "allocation"))
+        return decode(Allocation, kv.value).nodes if kv else ()
+
+    def steps(self) -> list[dict]:
+        out = []
+        for f in (self.tmp / "logs").glob("*.jsonl"):
+            out += [json.loads(line) | {"worker": f.stem} for line in f.read_text().splitlines()]
+        return out
+
+    def check_capacity(self, slots: dict[str, int]) -> None:
+        """Allocations never exceed a node's slots (checked at every observation)."""
+        used: Counter[str] = Counter()
+        for kv in self.store.get_prefix(keys.JOBS):
+            split = keys.split_job_key(kv.key)
+            if split and split[1] == "allocation":
+                status = self.store.get(keys.job(split[0], "status"))
+                try:
+                    if status and decode(JobStatus, status.value).finished:
+                        continue
+                except MessageError:
+                    pass
+                used.update(decode(Allocation, kv.value).nodes)
+        for node, k in used.items():
+            assert k <= slots[node], f"node {node} over-allocated: {dict(used)}"
+
+    def wait(self, predicate, timeout: float, what: str, slots: dict[str, int] | None = None):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if slots:
+                self.check_capacity(slots)
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.25)
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.tmp.glob("*.log"))
+        raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.store.close()
+
+
+@pytest.fixture
+def cluster(etcd_private, tmp_path):
+    c = Cluster(etcd_private.url, tmp_path)
+    yield c
+    c.close()
+
+
+def test_two_jobs_share_a_two_node_cluster_live(cluster):
+    slots = {"n1": 2, "n2": 2}
+    cluster.coordinator()
+    for node, k in slots.items():
+        cluster.agent(node, k)
+    cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 2, 60, "two nodes")
+
+    a = cluster.submit("job-a", "-np", "2", "--min-np", "1", "--max-np", "4")
+    # A alone grows to the whole cluster once its agent has a throughput model
+    # (long enough at 4 for its throughput model to learn what 4 replicas are worth)
+    cluster.wait(lambda: sum(s["world"] == 4 and s["rank"] == 0 for s in cluster.steps()) >= 40,
+                 180, "job A training on 4 replicas", slots)
+    first = min((s for s in cluster.steps() if s["rank"] == 0), key=lambda s: s["t"])  # A's
+
+    b = cluster.submit("job-b", "-np", "2", "--min-np", "1", "--max-np", "2")
+    cluster.wait(lambda: len(cluster.allocation("job-b")) >= 1
+                 and len(cluster.allocation("job-a")) < 4, 120, "slots moving to B", slots)
+    status = subprocess.run([POLLUX_RUN, "status", "--store", cluster.url],
+                            capture_output=True, text=True, timeout=60)
+    assert "job-a" in status.stdout and "job-b" in status.stdout, status.stdout
+    assert "n1" in status.stdout and "n2" in status.stdout
+
+    # the coordinator dies and comes back: jobs keep training, scheduling resumes
+    cluster.procs["coordinator"].kill()
+    cluster.procs["coordinator"].wait()
+    before = len(cluster.steps())
+    cluster.wait(lambda: len(cluster.steps()) > before + 20, 60, "training without a coordinator")
+    cluster.coordinator()
+
+    cluster.stop_job("job-b")
+    assert b.wait(timeout=180) == 0, (cluster.tmp / "job-b.log").read_text()[-3000:]
+    t_b_done = time.time()
+    cluster.wait(lambda: any(s["world"] == 4 and s["t"] > t_b_done for s in cluster.steps()),
+                 180, "job A growing back to 4 replicas", slots)
+    cluster.stop_job("job-a")
+    assert a.wait(timeout=180) == 0, (cluster.tmp / "job-a.log").read_text()[-3000:]
+
+    for job in ("job-a", "job-b"):
+        out = (cluster.tmp / f"{job}.log").read_text()
+        assert "succeeded, exit code 0" in out, out[-2000:]
+    # each job's rank 0 reached the validation target (worker output is in the agents' logs)
+    agents = "".join((cluster.tmp / f"agent-{n}.log").read_text() for n in slots)
+    finals = [float(v) for v in re.findall(r"final val_acc ([0-9.]+)", agents)]
+    assert len(finals) == 2 and min(finals) >= 0.85, finals
+    # A's first rank 0 kept its process through every change
+    mine = [s for s in cluster.steps() if s["worker"] == first["worker"]]
+    assert len({s["pid"] for s in mine}) == 1
+    assert len({s["world"] for s in mine}) >= 2 and mine[-1]["t"] > t_b_done
+
+
+def test_node_agent_killed_job_continues_on_the_other_node(cluster):
+    cluster.coordinator()
+    cluster.agent("n1", 1)
+    cluster.agent("n2", 1)
+    cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 2, 60, "two nodes")
+    job = cluster.submit("job-c", "-np", "2", "--min-np", "1", "--max-np", "2")
+    cluster.wait(lambda: sorted(cluster.allocation("job-c")) == ["n1", "n2"]
+                 and any(s["world"] == 2 for s in cluster.steps()), 120, "C on both nodes")
+    cluster.procs["agent-n2"].kill()  # its worker dies with it, as with a failed node
+    t_kill = time.time()
+    cluster.wait(lambda: any(s["world"] == 1 and s["t"] > t_kill for s in cluster.steps()),
+                 60, "C training on n1 alone")
+    cluster.wait(lambda: cluster.allocation("job-c") == ("n1",), 60, "C re-allocated to n1")
+    cluster.stop_job("job-c")
+    assert job.wait(timeout=120) == 0
+    survivor = [s for s in cluster.steps() if s["node"] == "n1"]
+    assert len({s["pid"] for s in survivor}) == 1
+
+
+def test_failing_worker_sets_exit_code_and_frees_slots(cluster, tmp_path):
+    cluster.coordinator()
+    cluster.agent("n1", 2)
+    cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 1, 60, "a node")
+    (tmp_path / "crash.py").write_text("import time, sys\ntime.sleep(1)\nsys.exit(3)\n")
+    proc = cluster.start("job-d", "--store", cluster.url, "--job-name", "job-d", "-np", "2",
+                         sys.executable, "crash.py")
+    assert proc.wait(timeout=120) == 3
+    assert "failed, exit code 3" in (tmp_path / "job-d.log").read_text()
+    cluster.wait(lambda: cluster.allocation("job-d") == (), 30, "D's slots freed")
+
+
+def test_unsigned_spec_is_not_run(cluster, tmp_path):
+    """An agent with a cluster secret refuses a job submitted without it."""
+    cluster.agent("n1", 1)
+    cluster.coordinator()
+    env = {k: v for k, v in cluster.env.items() if k != "POLLUX_SECRET"}
+    marker = tmp_path / "ran"
+    proc = subprocess.Popen([POLLUX_RUN, "--store", cluster.url, "--job-name", "rogue",
+                             sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    cluster.wait(lambda: cluster.allocation("rogue"), 60, "the rogue job to be allocated")
+    time.sleep(3)
+    assert not marker.exists()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) != 0
+    log = (tmp_path / "agent-n1.log").read_text()
+    assert "not signed" in log and SECRET not in log
+
+
+def test_nodes_register_with_their_slots(cluster):
+    cluster.agent("n1", 3)
+    kv = cluster.wait(lambda: cluster.store.get(keys.node("n1")), 60, "registration")
+    assert decode(NodeInfo, kv.value).slots == 3
+    cluster.procs["agent-n1"].send_signal(signal.SIGTERM)  # drains: the lease is revoked
+    assert cluster.procs["agent-n1"].wait(timeout=30) == 0
+    assert cluster.store.get(keys.node("n1")) is None
