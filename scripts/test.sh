@@ -24,4 +24,6 @@ fi
 scripts/install-horovod.sh
 
 .venv/bin/ruff check .
+# many worker processes share 2 cores in the tests: one BLAS/OpenMP thread each
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 exec .venv/bin/pytest "$@"
