@@ -63,18 +63,25 @@ def load_model(folder: Path) -> dict:
         "init_batch_size": int(validations[0].stem[11:]),
         "max_batch_size": int(validations[-1].stem[11:]),
         "bounds": (int(local.min()), MAX_LOCAL_BSZ_OVERRIDE.get(folder.name, int(local.max()))),
-        "grad": GradParams(float(np.median(first["grad_sqr"].astype(float))),
-                           float(np.median(first["grad_var"].astype(float)))),
+        "grad": GradParams(
+            float(np.median(first["grad_sqr"].astype(float))),
+            float(np.median(first["grad_var"].astype(float))),
+        ),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES,
-                    help="folder with one sub-folder per model (default: %(default)s)")
+    ap.add_argument(
+        "--traces",
+        type=Path,
+        default=DEFAULT_TRACES,
+        help="folder with one sub-folder per model (default: %(default)s)",
+    )
     ap.add_argument("--fit-repeats", type=int, default=21, help="timed fits per model")
-    ap.add_argument("--opt-repeats", type=int, default=300,
-                    help="timed optimize calls per allocation and model")
+    ap.add_argument(
+        "--opt-repeats", type=int, default=300, help="timed optimize calls per allocation and model"
+    )
     args = ap.parse_args(argv)
     if not args.traces.is_dir():
         print(f"error: --traces {args.traces} is not a folder", file=sys.stderr)
@@ -94,8 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     nodes = (replicas + 3) // 4
     for folder in tqdm(folders, desc="models", file=sys.stderr):
         d = load_model(folder)
-        obs = (d["num_nodes"], d["num_replicas"], d["local_bsz"],
-               np.zeros_like(d["local_bsz"]), d["step_time"], d["sync_time"])
+        obs = (
+            d["num_nodes"],
+            d["num_replicas"],
+            d["local_bsz"],
+            np.zeros_like(d["local_bsz"]),
+            d["step_time"],
+            d["sync_time"],
+        )
         times = []
         for _ in range(args.fit_repeats):
             t0 = time.perf_counter()
@@ -105,13 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         model_fit_ms = 1e3 * float(np.median(times))
         pred = predict_step_time(params, d["num_nodes"], d["num_replicas"], d["local_bsz"], 0)
         err = np.abs(pred / d["step_time"] - 1)
-        results[folder.name] = {"mean_err": round(float(err.mean()), 4),
-                                "p90_err": round(float(np.percentile(err, 90)), 4)}
+        results[folder.name] = {
+            "mean_err": round(float(err.mean()), 4),
+            "p90_err": round(float(np.percentile(err, 90)), 4),
+        }
 
         fn = GoodputFunction(params, d["grad"], d["init_batch_size"])
         limits = (d["max_batch_size"], d["bounds"])
-        key = (float(d["init_batch_size"]), float(d["max_batch_size"]),
-               float(d["bounds"][0]), float(d["bounds"][1]), True, None)
+        key = (
+            float(d["init_batch_size"]),
+            float(d["max_batch_size"]),
+            float(d["bounds"][0]),
+            float(d["bounds"][1]),
+            True,
+            None,
+        )
         for n, k in zip(nodes, replicas, strict=True):
             fn.optimize(n, k, *limits)  # the (memoised) candidate grid of this allocation
             for _ in range(args.opt_repeats):
@@ -122,8 +143,16 @@ def main(argv: list[str] | None = None) -> int:
             _grid(np.array([[float(k)]]), *key)  # what a cold (un-memoised) call adds
             cold_us.append(1e6 * (time.perf_counter() - t0))
         good, m, s = fn.optimize(nodes, replicas, *limits)
-        rows.append((folder.name, err.mean(), np.percentile(err, 90), model_fit_ms, params,
-                     list(zip(replicas, m, s, good, strict=True))))
+        rows.append(
+            (
+                folder.name,
+                err.mean(),
+                np.percentile(err, 90),
+                model_fit_ms,
+                params,
+                list(zip(replicas, m, s, good, strict=True)),
+            )
+        )
 
     print(f"{'model':<12} {'mean_err':>8} {'p90_err':>8} {'fit_ms':>7}  fitted parameters")
     for name, mean, p90, ms, params, _ in rows:
@@ -138,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         "fit_ms_median": round(float(np.median(fit_ms)), 3),
         "optimize_us_median": round(float(np.median(opt_us)), 2),
     }
-    print(f"\nfit: median of {len(fit_ms)} fits over all models; "
-          f"optimize: median of {len(opt_us)} single-allocation calls "
-          f"(memoised candidate grid; building one grid adds {np.median(cold_us):.0f} us)")
+    print(
+        f"\nfit: median of {len(fit_ms)} fits over all models; "
+        f"optimize: median of {len(opt_us)} single-allocation calls "
+        f"(memoised candidate grid; building one grid adds {np.median(cold_us):.0f} us)"
+    )
     print(json.dumps(summary))
     return 0
 

@@ -20,8 +20,12 @@ the coordinator: it writes the job's allocation and starts/kills workers.
   worker exited 0.
 
 The worker side is chosen by ``--framework`` (``native``: torch.distributed through
-``pollux_launch.rendezvous``); Horovod and DeepSpeed workers can be added to WORKERS and
-speak the same JSON event lines. The LAST line printed is one JSON object.
+``pollux_launch.rendezvous``; WORKERS). ``--framework horovod`` measures the same pauses
+through Horovod Elastic (benchmarks/horovod_rescale.py ``measure()``: real horovodrun,
+the same 4 -> 2 -> 4 cycles and model) right after the native run and prints both side
+by side; its JSON keys are ``native_*`` and ``horovod_*``. Other frameworks join through
+SIDES in the same style (e.g. ``deepspeed``: benchmarks/deepspeed_rebuild.py).
+The LAST line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
@@ -453,10 +458,46 @@ def run(args: argparse.Namespace, url: str) -> dict:
     }
 
 
+# ======================================================================================
+# other frameworks, measured next to the native path in the same run
+# ======================================================================================
+
+
+def _horovod_side(args: argparse.Namespace, url: str) -> dict:
+    """Horovod Elastic's pauses (its own horovodrun and embedded store; ``url`` unused)."""
+    from pollux_launch.adapters.horovod import horovod_available
+    from pollux_launch.adapters.horovod.command import HOROVOD_INSTALL_HINT
+
+    if not horovod_available():
+        sys.exit(f"error: {HOROVOD_INSTALL_HINT}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from horovod_rescale import measure
+
+    return measure(repeats=args.repeats, high=4, low=2)
+
+
+# framework -> f(args, native store URL) returning {"<framework>_down_pause_s",
+# "<framework>_up_pause_s", ...}; a "deepspeed" entry (deepspeed_rebuild.measure) fits here.
+SIDES: dict[str, Callable[[argparse.Namespace, str], dict]] = {"horovod": _horovod_side}
+
+
+def side_by_side(native: dict, framework: str, other: dict) -> str:
+    """A small table of the median pauses (seconds)."""
+    rows = [("native (" + native["store"] + ")", native["down_pause_s"], native["up_pause_s"]),
+            (framework, other.get(f"{framework}_down_pause_s"),
+             other.get(f"{framework}_up_pause_s"))]
+    lines = [f"{'pause per rescale, median s':<30}{'down 4->2':>11}{'up 2->4':>10}"]
+    for name, down, up in rows:
+        cells = ["-" if v is None else f"{v:.3f}" for v in (down, up)]
+        lines.append(f"{name:<30}{cells[0]:>11}{cells[1]:>10}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--store", choices=["etcd", "embedded"], default="embedded")
-    p.add_argument("--framework", choices=sorted(WORKERS), default="native")
+    p.add_argument("--framework", choices=sorted({*WORKERS, *SIDES}), default="native",
+                   help="native alone, or another framework measured next to it")
     p.add_argument("--repeats", type=int, default=5, help="4->2->4 cycles (default 5)")
     p.add_argument("--failures", type=int, default=3, help="SIGKILL trials (default 3)")
     p.add_argument(
@@ -480,14 +521,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.failures < 0 or not args.lease_ttl > 0:
         p.error("--repeats must be >= 1, --failures >= 0 and --lease-ttl > 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up workers and etcd
+    side = SIDES.get(args.framework)
+    native_args = argparse.Namespace(**{**vars(args), "framework": "native"})
     with tempfile.TemporaryDirectory(prefix="pollux-rescale-") as tmp:
         etcd = LocalEtcd(Path(tmp)) if args.store == "etcd" else None
         url = etcd.url if etcd else f"embedded://{tmp}/store.db"
         try:
-            result = run(args, url)
+            result = run(native_args if side else args, url)
         finally:
             if etcd:
                 etcd.stop()
+        if side is not None:
+            try:
+                other = side(args, url)
+            except (RuntimeError, ValueError) as exc:
+                print(f"rescale: {args.framework}: {exc}", file=sys.stderr)
+                return 1
+            print(side_by_side(result, args.framework, other), flush=True)
+            result = {**other, **{f"native_{k}": v for k, v in result.items()
+                                  if k not in ("framework", "repeats", "store")},
+                      "store": result["store"], "repeats": args.repeats,
+                      "framework": args.framework}
     print(json.dumps(result))
     return 0
 

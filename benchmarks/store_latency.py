@@ -25,8 +25,9 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from pollux_launch.rendezvous.store import open_store
 from tqdm import tqdm
+
+from pollux_launch.rendezvous.store import open_store
 
 WAKES = 40
 
@@ -43,12 +44,34 @@ def temporary_etcd():
     with tempfile.TemporaryDirectory(prefix="pollux-bench-etcd-") as tmp:
         client, peer = f"http://127.0.0.1:{_port()}", f"http://127.0.0.1:{_port()}"
         proc = subprocess.Popen(
-            [etcd, "--name", "bench", "--data-dir", f"{tmp}/data",
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"bench={peer}", "--heartbeat-interval", "50",
-             "--election-timeout", "500", "--log-level", "error", "--logger", "zap"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                etcd,
+                "--name",
+                "bench",
+                "--data-dir",
+                f"{tmp}/data",
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"bench={peer}",
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
+                "--log-level",
+                "error",
+                "--logger",
+                "zap",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             for _ in range(400):
                 try:
@@ -90,9 +113,11 @@ def measure(url: str, bar: tqdm) -> dict:
     ctx = mp.get_context("spawn")
     result = {}
     with open_store(url, prefix) as store:
-        for name, op in (("put_ms", lambda i: store.put(f"k/{i % 10}", "1")),
-                         ("get_ms", lambda i: store.get(f"k/{i % 10}")),
-                         ("txn_ms", lambda i: store.create(f"c/{i}", "1"))):
+        for name, op in (
+            ("put_ms", lambda i: store.put(f"k/{i % 10}", "1")),
+            ("get_ms", lambda i: store.get(f"k/{i % 10}")),
+            ("txn_ms", lambda i: store.create(f"c/{i}", "1")),
+        ):
             samples = []
             for i in range(200):
                 t0 = time.perf_counter()

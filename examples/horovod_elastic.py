@@ -1,15 +1,19 @@
 """Horovod Elastic on CPU: a small MLP on scikit-learn's bundled digits (no downloads).
 
 An ordinary Horovod Elastic script (``hvd.elastic.run``, ``hvd.elastic.TorchState``,
-``ElasticSampler``) whose only Pollux change is the ``DistributedOptimizer`` import::
+``ElasticSampler``) whose only Pollux change is the ``DistributedOptimizer`` wrapper: it
+is given the loader (whose batch Pollux adapts: ``m * backward_passes_per_step``), and
+the loop splits each batch into ``optimizer.backward_passes_per_step`` micro-batches, as
+Horovod's own examples do. The LR given is the LR at the initial batch size; Pollux
+scales it with the batch (AdaScale for SGD), so there is no ``lr * hvd.size()`` rule::
 
     horovodrun --gloo -np 2 --min-np 1 --max-np 4 --network-interface lo \\
         --host-discovery-script ./discover.sh python examples/horovod_elastic.py
     pollux-run --framework horovod -np 2 --max-np 4 python examples/horovod_elastic.py
 
 ``--log-dir`` makes every worker append JSON lines (one file per process) with its pid,
-rank and size at each (re)start, a timestamp per step and a parameter digest for the
-first steps after each (re)start; tests and benchmarks/horovod_rescale.py read them.
+rank and size at each (re)start, a timestamp per step, a parameter digest for the first
+steps after each (re)start and each Pollux decision; tests read them.
 ``--stop-file`` ends training at the next epoch boundary once that file exists
 (rank 0 decides, all ranks follow), instead of after ``--epochs``.
 """
@@ -35,9 +39,13 @@ from pollux_launch.adapters.horovod import DistributedOptimizer
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--accum", type=int, default=1, help="backward passes per step")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate per rank")
+    p.add_argument("--batch-size", type=int, default=32, help="initial per-rank batch size")
+    p.add_argument("--accum", type=int, default=1, help="initial backward passes per step")
+    p.add_argument("--lr", type=float, default=0.1, help="learning rate at the initial batch")
+    p.add_argument("--max-batch-size", type=int, default=512,
+                   help="largest total batch Pollux may choose")
+    p.add_argument("--report-interval", type=float, default=30.0,
+                   help="seconds between rank 0's hints to the store")
     p.add_argument("--commit-every", type=int, default=10, help="steps between commits")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pace steps (seconds)")
     p.add_argument("--log-dir", type=Path, default=None)
@@ -82,14 +90,16 @@ def main() -> None:
                         drop_last=True)
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     optimizer = DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(),
-        backward_passes_per_step=args.accum, local_bsz=args.batch_size)
+        backward_passes_per_step=args.accum, local_bsz=args.batch_size,
+        data_loader=loader, max_batch_size=args.max_batch_size,
+        report_interval=args.report_interval,
+        on_decision=lambda m, s, lr_factor: log("decision", local_bsz=m, accum=s + 1,
+                                                lr_factor=lr_factor))
 
-    def on_reset() -> None:  # survivors, after a reset: scale the LR with the ranks
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * hvd.size()
+    def on_reset() -> None:  # survivors, after a reset (Pollux re-decides in the sync)
         log("reset")
 
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
@@ -101,17 +111,18 @@ def main() -> None:
         since_start = 0
         while state.epoch < args.epochs:
             for x, y in loader:  # the sampler re-partitions what is left after a reset
+                accum = optimizer.backward_passes_per_step  # Pollux may change it
                 optimizer.zero_grad()
-                for xs, ys in zip(x.split(args.batch_size), y.split(args.batch_size),
-                                  strict=True):
-                    loss = F.cross_entropy(model(xs), ys) / args.accum
+                for xs, ys in zip(x.chunk(accum), y.chunk(accum), strict=True):
+                    loss = F.cross_entropy(model(xs), ys) / accum
                     loss.backward()
                 optimizer.step()
-                state.sampler.record_batch(0, args.batch_size * args.accum)
+                state.sampler.record_batch(0, len(x))
                 state.step += 1
                 since_start += 1
-                loss_value = float(loss.detach()) * args.accum
-                fields: dict[str, object] = {"step": state.step, "loss": loss_value}
+                loss_value = float(loss.detach()) * accum
+                fields: dict[str, object] = {"step": state.step, "loss": loss_value,
+                                             "batch": len(x), "accum": accum}
                 if since_start <= 3:
                     fields["digest"] = digest(model)
                 log("step", **fields)

@@ -5,6 +5,9 @@
 * :mod:`.command`   the ``horovodrun`` command line and exit-code rules for the launcher
 * :mod:`.optimizer` ``DistributedOptimizer``: ``hvd.DistributedOptimizer`` plus step timing
   and the gradient noise scale (Pollux Sec. 3.1-3.2)
+* :mod:`.control`   ``HorovodControl``: the Pollux agent's batch / accumulation / LR
+  decisions on every rank and rank 0's hints to the store
+* :mod:`.driver`    ``HorovodDriver``: pollux-run's driver of a Horovod job (one horovodrun)
 
 This package imports neither torch nor horovod until ``DistributedOptimizer`` is used, so
 the discovery entry point (run every second by Horovod's driver) stays cheap.
@@ -17,7 +20,7 @@ from typing import Any
 from .command import HOROVOD_INSTALL_HINT, horovod_available, require_horovod
 
 __all__ = [
-    "HOROVOD_INSTALL_HINT", "DistributedOptimizer", "HorovodMeasurement",
+    "HOROVOD_INSTALL_HINT", "DistributedOptimizer", "HorovodControl", "HorovodMeasurement",
     "horovod_available", "require_horovod",
 ]
 
@@ -27,4 +30,8 @@ def __getattr__(name: str) -> Any:
         from . import optimizer
 
         return getattr(optimizer, name)
+    if name == "HorovodControl":
+        from .control import HorovodControl
+
+        return HorovodControl
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ import os
 import shlex
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pollux_launch import keys
@@ -94,7 +94,8 @@ class HostsFileMirror:
     ``start()`` writes the file once (synchronously, so the driver's first poll sees it)
     and then follows the store from a daemon thread; ``stop()`` ends the thread. The file
     is rewritten only when the host list changes. ``addresses`` is as in
-    :func:`hosts_from_allocation`. Pass the store in; it is not closed here.
+    :func:`hosts_from_allocation`, or a function returning it (called at every refresh,
+    for node sets that change). Pass the store in; it is not closed here.
     """
 
     def __init__(
@@ -102,12 +103,12 @@ class HostsFileMirror:
         store: Store,
         job: str,
         hosts_file: str | os.PathLike[str],
-        addresses: Mapping[str, str] | None = None,
+        addresses: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
         wait_timeout: float = 5.0,
     ) -> None:
         self.store, self.job = store, job
         self.hosts_file = Path(hosts_file)
-        self.addresses = dict(addresses) if addresses else None
+        self.addresses = addresses if callable(addresses) else dict(addresses or {})
         self.wait_timeout = wait_timeout
         self.version: int | None = None  # allocation version last written
         self.error: BaseException | None = None
@@ -118,7 +119,8 @@ class HostsFileMirror:
     def refresh(self) -> bool:
         """Re-read the allocation and rewrite the file if it changed; True if rewritten."""
         alloc = read_allocation(self.store, self.job)
-        text = format_hosts(hosts_from_allocation(alloc, self.addresses))
+        addresses = self.addresses() if callable(self.addresses) else self.addresses
+        text = format_hosts(hosts_from_allocation(alloc, addresses))
         self.version = alloc.version if alloc is not None else None
         if text == self._text:
             return False

@@ -24,6 +24,14 @@ class construction, same methods, same all-reduces) with three methods extended:
 re-read every step. When the optimizer is in a ``hvd.elastic.TorchState``, rank 0's
 measurement state is broadcast with the optimizer state on every sync (new workers).
 
+``optimizer.pollux_control`` (when ``local_bsz`` is given; ``adapt=False`` turns it off)
+is the :class:`~.control.HorovodControl`: after every reset (in that sync, on all ranks)
+and every ``decide_every`` steps rank 0's Pollux agent picks the per-rank batch
+(``data_loader``'s batch sampler) and ``backward_passes_per_step``, and the LR factor
+applied around ``step()``; rank 0 reports the job's hints to the store under
+``pollux-run``. ``step()`` also counts steps for it. Without ``hvd.elastic`` (no
+``TorchState``), the control starts at the first ``step()`` only under ``pollux-run``.
+
 Accumulation follows Horovod's examples: divide the loss by ``backward_passes_per_step``
 (else pass ``loss_averaged_over_accum=False``). ``op=hvd.Adasum`` is not supported.
 """
@@ -39,6 +47,7 @@ import torch
 from horovod.torch.elastic import state as _hvd_state
 from horovod.torch.optimizer import _DistributedOptimizer
 
+from .control import HorovodControl
 from .measure import HorovodMeasurement
 
 _Base = _DistributedOptimizer  # Horovod's method bodies, called unbound
@@ -48,6 +57,7 @@ class PolluxMeasured:
     """Marker base of every optimizer class made here (for Horovod's state registry)."""
 
     pollux: HorovodMeasurement
+    pollux_control: HorovodControl | None
 
 
 def _allreduce_grad_async(self: Any, p: torch.Tensor) -> Any:
@@ -77,10 +87,37 @@ def _synchronize(self: Any) -> None:
     m.after_sync(t0)
 
 
+def _step(self: Any, closure: Any = None) -> Any:
+    ctl: HorovodControl | None = self.pollux_control
+    if ctl is None:
+        return _Base.step(self, closure)
+    if ctl.agent is None and _under_pollux_run():
+        ctl.sync()  # no TorchState sync ran (not hvd.elastic): start here, on all ranks
+    factor = ctl.lr_factor
+    base = [g["lr"] for g in self.param_groups]
+    if factor != 1.0:
+        for group in self.param_groups:
+            group["lr"] = group["lr"] * factor
+    try:
+        result = _Base.step(self, closure)
+    finally:
+        for group, lr in zip(self.param_groups, base, strict=True):
+            group["lr"] = lr
+    ctl.after_step()
+    return result
+
+
+def _under_pollux_run() -> bool:
+    import os
+
+    return bool(os.environ.get("POLLUX_JOB"))
+
+
 _OVERRIDES = {
     "_allreduce_grad_async": _allreduce_grad_async,
     "_grouped_allreduce_grad_async": _grouped_allreduce_grad_async,
     "synchronize": _synchronize,
+    "step": _step,
 }
 _classes: dict[type, type] = {}
 
@@ -105,7 +142,11 @@ class _PolluxOptimizerStateHandler(_hvd_state.OptimizerStateHandler):
 
     def sync(self) -> None:
         super().sync()
-        self.value.pollux.sync(root_rank=0)
+        control = self.value.pollux_control
+        if control is not None:
+            control.sync()  # the measurement too, then a decision for the new size
+        else:
+            self.value.pollux.sync(root_rank=0)
 
 
 def _register_state_handler() -> None:
@@ -135,6 +176,14 @@ def DistributedOptimizer(
     loss_averaged_over_accum: bool = True,
     warmup_steps: int = 3,
     clock: Callable[[], float] = time.perf_counter,
+    adapt: bool = True,
+    data_loader: Any = None,
+    max_batch_size: int | None = None,
+    local_bsz_bounds: tuple[int, int] | None = None,
+    lr_scaling: Any = "auto",
+    report_interval: float = 30.0,
+    decide_every: int = 20,
+    on_decision: Callable[[int, int, float], None] | None = None,
 ) -> Any:
     """Same arguments and behaviour as ``hvd.DistributedOptimizer``; keyword-only extras:
 
@@ -143,6 +192,13 @@ def DistributedOptimizer(
     ``init_batch_size``: the job's ``M0`` (default: ``local_bsz`` x ranks at the first
     step); ``gns`` / ``timing``: switch either measurement off; ``preconditioner``:
     "auto", "identity" or "adam" (PGNS, Pollux Eqn 5).
+
+    Pollux's decisions (with ``local_bsz``, unless ``adapt=False``; see
+    :class:`~.control.HorovodControl`): ``data_loader`` (its batch becomes
+    ``m * backward_passes_per_step``), ``max_batch_size`` (default ``M0``: fixed total
+    batch), ``local_bsz_bounds``, ``lr_scaling`` ("auto": AdaScale for SGD, "sqrt" for
+    Adam; or "linear", "legw", a function), ``report_interval`` (seconds between hints),
+    ``decide_every`` (steps between decisions), ``on_decision(m, s, lr_factor)``.
     """
     if op == hvd.Adasum:
         raise ValueError("op=hvd.Adasum is not supported by pollux_launch's "
@@ -167,5 +223,13 @@ def DistributedOptimizer(
         op_sum=op == hvd.Sum, loss_averaged_over_accum=loss_averaged_over_accum,
         process_set=None if process_set is hvd.global_process_set else process_set,
         clock=clock)
+    opt.pollux_control = None
+    if adapt and local_bsz is not None:
+        opt.pollux_control = HorovodControl(
+            hvd, opt, opt.pollux, local_bsz=local_bsz, accum_steps=backward_passes_per_step - 1,
+            data_loader=data_loader, init_batch_size=init_batch_size,
+            max_batch_size=max_batch_size, local_bsz_bounds=local_bsz_bounds,
+            lr_scaling=lr_scaling, report_interval=report_interval, decide_every=decide_every,
+            on_decision=on_decision)
     _register_state_handler()
     return opt

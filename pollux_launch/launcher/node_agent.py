@@ -4,15 +4,17 @@ Protocol (keys in ``pollux_launch.keys``):
 
 * Registers ``nodes/<node>`` (``NodeInfo``) under a lease kept alive from a thread; when
   the agent dies the lease lapses and the coordinator moves the node's jobs elsewhere.
-* Reconciles every ``poll`` seconds and on store changes: for each unfinished job whose
-  allocation names this node k times, it keeps k workers alive. A shrink is carried out
-  by the rendezvous (the workers not in the new round exit 0 by themselves); a grow
-  starts new workers, which join the job's next round and receive its state.
+* Reconciles every ``poll`` seconds and on store changes: each unfinished job is run by
+  the driver of its framework (:mod:`.drivers`), if that driver's side is one this agent
+  plays: a node agent (``sides={"node"}``) keeps one worker per replica the allocation
+  places on its node; the launching ``pollux-run`` (``"launcher"``, without registering
+  a node in cluster mode) runs one framework driver per job, e.g. ``horovodrun``.
 * Runs a job only if its spec is signed with the cluster secret (when one is set).
-* Reports exits: a worker that ends with exit 0 while still allocated finished the job
-  (``JobStatus`` succeeded); any other non-zero exit fails the job (its workers are
-  stopped everywhere and its slots freed); a worker killed by a signal is lost and the
-  job goes on with its survivors (the next allocation replaces it).
+* Reports exits as the driver classifies them: a worker that ends with exit 0 while
+  still allocated finished the job (``JobStatus`` succeeded); any other non-zero exit
+  fails the job (its workers are stopped everywhere and its slots freed); a worker
+  killed by a signal is lost and the job goes on with its survivors (the next
+  allocation replaces it). A framework driver's own exit code is the job's.
 * SIGTERM drains: workers get SIGTERM, the lease is revoked, the process exits.
 """
 
@@ -21,25 +23,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
-from collections.abc import Callable
-from typing import IO
+from collections.abc import Callable, Collection
+from typing import IO, TYPE_CHECKING
 
 from .. import keys
 from ..messages import Allocation, JobSpec, JobStatus, MessageError, NodeInfo, decode, encode
 from ..rendezvous.store import Compare, Put, Store, StoreError
 from . import security
-from .workers import WorkerGroup, classify_exit
+from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this module)
+    ENV_ADDR,
+    ENV_JOB,
+    ENV_NODE,
+    ENV_PREFIX,
+    ENV_STORE,
+    ENV_WORKER_ID,
+    DriverContext,
+    JobDriver,
+    Side,
+    driver_class,
+)
+
+if TYPE_CHECKING:
+    from .options import LaunchOptions
 
 log = logging.getLogger(__name__)
-
-# Environment a worker is started with (read by pollux_launch.adapters and the agent).
-ENV_STORE = "POLLUX_STORE"
-ENV_PREFIX = "POLLUX_STORE_PREFIX"
-ENV_JOB = "POLLUX_JOB"
-ENV_NODE = "POLLUX_NODE"
-ENV_WORKER_ID = "POLLUX_WORKER_ID"
-ENV_ADDR = "POLLUX_ADDR"
 
 
 class NodeAgent:
@@ -56,15 +63,28 @@ class NodeAgent:
         lease_ttl: float = 5.0,
         poll: float = 0.5,
         clock: Callable[[], float] = time.time,
+        sides: Collection[Side] = ("node",),
+        launch_options: LaunchOptions | None = None,
+        local: bool = False,
     ) -> None:
+        """``sides``: which drivers this agent runs (``"node"``: it registers the node and
+        runs per-replica workers; ``"launcher"``: it runs the framework drivers of the
+        jobs it launched, ``launch_options`` being their pollux-run flags)."""
         self.store, self.node, self.secret = store, node, secret
         self.store_url, self.store_prefix = store_url, store_prefix
         self.only_jobs, self.output_dir, self.stdout = only_jobs, output_dir, stdout
         self.lease_ttl, self.poll, self.clock = lease_ttl, poll, clock
-        self.groups: dict[str, WorkerGroup] = {}
+        self.sides = frozenset(sides)
+        self.context = DriverContext(store, store_url, store_prefix, node, output_dir, stdout,
+                                     launch_options, local)
+        self.drivers: dict[str, JobDriver] = {}
         self.exits: list[tuple[str, str, int]] = []  # (job, worker id, code), for callers
         self._refused: set[str] = set()
         self._lease = 0
+
+    @property
+    def registers(self) -> bool:
+        return "node" in self.sides
 
     # -- registration ----------------------------------------------------------------
     def register(self) -> None:
@@ -73,58 +93,60 @@ class NodeAgent:
         self._keeper = self.store.keep_alive(self._lease, self.lease_ttl / 3)
 
     def _ensure_registered(self) -> None:
-        if not self._lease or self._keeper.expired.is_set():
+        if self.registers and (not self._lease or self._keeper.expired.is_set()):
             log.warning("node %s: lease lost; registering again", self.node.name)
             self.register()
 
     # -- reconciliation --------------------------------------------------------------
     def step(self) -> None:
-        """One pass: reap ended workers (reporting the job's end), then start missing
-        workers and stop those of finished jobs. Reaping first means a worker that just
+        """One pass: reap ended processes (reporting the job's end), then start missing
+        ones and stop those of finished jobs. Reaping first means a worker that just
         finished the job is never replaced."""
         self._reap()
         jobs = self._read_jobs()
         for name, (spec, status, alloc, spec_text, signature) in jobs.items():
-            want = alloc.nodes.count(self.node.name) if alloc else 0
-            group = self.groups.get(name)
+            driver = self.drivers.get(name)
             if status is not None and status.finished:
-                if group is not None and group.alive():
-                    log.info("job %s is %s: stopping its workers here", name, status.state)
-                    group.stop(grace=5.0)
+                if driver is not None and driver.alive():
+                    log.info("job %s is %s: stopping its processes here", name, status.state)
+                    driver.stop(grace=5.0)
                 continue
-            if spec is None or (want == 0 and group is None):
+            if spec is None:
+                continue
+            cls = driver_class(spec.framework) if driver is None else type(driver)
+            if cls.side not in self.sides or (
+                    driver is None and not cls.wanted(alloc, self.node.name)):
                 continue
             if self.secret is not None and not security.verify(spec_text, signature, self.secret):
                 if name not in self._refused:
                     log.error("job %s: spec not signed with this cluster's secret; not run", name)
                     self._refused.add(name)
                 continue
-            if group is None:
-                group = self.groups[name] = self._group(spec)
-            for _ in range(want - len(group.alive())):
-                self._start_worker(spec, group)
-            if group.alive() and (status is None or status.state == "pending"):
+            if driver is None:
+                driver = self.drivers[name] = cls(spec, self.context)
+            try:
+                driver.reconcile(alloc)
+            except OSError as exc:
+                self._set_status(name, JobStatus(
+                    "failed", 127, f"cannot start {spec.command[0]!r}: {exc.strerror or exc}",
+                    self.clock()))
+                continue
+            if driver.alive() and (status is None or status.state == "pending"):
                 self._set_status(name, JobStatus("running", None, "", self.clock()))
 
     def _reap(self) -> None:
-        for name, group in list(self.groups.items()):
-            ended = group.reap()
-            if not ended:
-                continue
-            # read the allocation afresh: a worker that left because of a rescale exited
-            # after the new allocation was written, perhaps after this pass's first read
-            alloc = self._allocation(name)
-            want = alloc.nodes.count(self.node.name) if alloc else 0
-            for worker, code in ended:
-                kind = classify_exit(code, still_allocated=want > len(group.alive()))
-                self.exits.append((name, worker.worker_id, code))
-                log.info("job %s worker %s exited %d (%s)", name, worker.worker_id, code, kind)
-                if kind == "finished":
+        for name, driver in list(self.drivers.items()):
+            for ended in driver.reap(lambda name=name: self._allocation(name)):
+                self.exits.append((name, ended.worker_id, ended.code))
+                log.info("job %s process %s exited %d (%s)", name, ended.worker_id, ended.code,
+                         ended.kind)
+                if ended.kind == "finished":
                     self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
-                elif kind == "failed":
+                elif ended.kind == "failed":
                     self._set_status(name, JobStatus(
-                        "failed", code, f"worker on {self.node.name} exited {code}", self.clock()))
-                    group.stop(grace=5.0)
+                        "failed", ended.code, f"{ended.worker_id} on {self.node.name} exited "
+                        f"{ended.code}", self.clock()))
+                    driver.stop(grace=5.0)
 
     def _allocation(self, job: str) -> Allocation | None:
         kv = self.store.get(keys.job(job, "allocation"))
@@ -132,22 +154,6 @@ class NodeAgent:
             return decode(Allocation, kv.value) if kv else None
         except MessageError:
             return None
-
-    def _start_worker(self, spec: JobSpec, group: WorkerGroup) -> None:
-        worker_id = f"{self.node.name}-{uuid.uuid4().hex[:8]}"
-        env = {
-            ENV_STORE: self.store_url, ENV_PREFIX: self.store_prefix, ENV_JOB: spec.name,
-            ENV_NODE: self.node.name, ENV_WORKER_ID: worker_id, ENV_ADDR: self.node.address,
-        }
-        try:
-            group.start(worker_id, env)
-        except OSError as exc:
-            self._set_status(spec.name, JobStatus(
-                "failed", 127, f"cannot start {spec.command[0]!r}: {exc.strerror}", self.clock()))
-
-    def _group(self, spec: JobSpec) -> WorkerGroup:
-        return WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
-                           output_dir=self.output_dir, stdout=self.stdout)
 
     def _set_status(self, job: str, status: JobStatus) -> None:
         """Move the job's state forward; a finished state is final (the first report wins)."""
@@ -189,7 +195,8 @@ class NodeAgent:
 
     # -- the service -----------------------------------------------------------------
     def serve(self, stop: threading.Event) -> None:
-        self.register()
+        if self.registers:
+            self.register()
         rev = 0
         try:
             while not stop.is_set():
@@ -205,8 +212,8 @@ class NodeAgent:
             self.drain()
 
     def drain(self) -> None:
-        for group in self.groups.values():
-            group.stop(grace=10.0)
+        for driver in self.drivers.values():
+            driver.stop(grace=10.0)
         if self._lease:
             self._keeper.stop()
             try:

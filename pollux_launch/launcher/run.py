@@ -11,6 +11,12 @@ Two modes, chosen by the store:
   run the workers and the coordinator service schedules; this process follows the job
   and prints its status until it ends.
 
+How the job's processes run is its framework's driver (:mod:`.drivers`): one worker per
+replica started by the node agents (torch, DeepSpeed), or - for Horovod - one
+``horovodrun`` per job run right here (in local mode by this process's node agent, in
+cluster mode by a launcher-side agent that registers no node), as horovodrun itself
+would; its host list follows the job's allocation and its exit code is the job's.
+
 Either way it prints a compact status line whenever the job's state changes and exits
 with the job's exit code.
 """
@@ -32,6 +38,7 @@ from ..messages import JobHints, JobSpec, JobStatus, MessageError, NodeInfo, dec
 from ..policy import DEFAULT_POLICY, make_policy
 from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
 from . import security
+from .drivers import driver_class
 from .node_agent import NodeAgent
 from .options import LaunchOptions, OptionsError
 from .status import describe_hints
@@ -68,6 +75,8 @@ def local_slots_default() -> int:
 def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     """Run the job; returns its exit code. Raises OptionsError / StoreError on bad input."""
     stdout = stdout or sys.stdout
+    driver = driver_class(opts.framework)
+    driver.preflight()  # e.g. Horovod not installed: one line, before anything starts
     url = opts.store or DEFAULT_URL
     local = url.startswith("embedded")
     if opts.host_discovery_script is not None:
@@ -92,11 +101,21 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
             coordinator = Coordinator(store, policy, interval=opts.interval, settle=0.2)
             agent = NodeAgent(store, node, url, opts.store_prefix, secret=secret,
                               only_jobs={spec.name}, output_dir=opts.output_filename,
-                              stdout=stdout)
-            for target, name in ((coordinator.serve, "coordinator"), (agent.serve, "node-agent")):
-                thread = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
-                thread.start()
-                threads.append(thread)
+                              stdout=stdout, sides=("node", "launcher"), launch_options=opts,
+                              local=True)
+            services = [(coordinator.serve, "coordinator"), (agent.serve, "node-agent")]
+        elif driver.side == "launcher":  # this process runs the job's driver, no node
+            here = NodeInfo(socket.gethostname(), 0, _address(), time.time())
+            agent = NodeAgent(store, here, url, opts.store_prefix, secret=secret,
+                              only_jobs={spec.name}, output_dir=opts.output_filename,
+                              stdout=stdout, sides=("launcher",), launch_options=opts)
+            services = [(agent.serve, "job-driver")]
+        else:
+            services = []
+        for target, name in services:
+            thread = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
+            thread.start()
+            threads.append(thread)
         return _follow(store, spec.name, opts, stdout)
     finally:
         stop.set()
@@ -179,6 +198,13 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _read(store: Store, key: str, cls):

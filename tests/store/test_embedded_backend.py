@@ -6,6 +6,7 @@ import multiprocessing as mp
 import threading
 
 import pytest
+
 from pollux_launch.rendezvous.store import Put, StoreCompacted, StoreError, open_store
 from pollux_launch.rendezvous.store.embedded import default_path, path_from_url
 

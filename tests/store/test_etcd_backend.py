@@ -7,6 +7,8 @@ import threading
 
 import grpc
 import pytest
+from pyetcd import etcdrpc
+
 from pollux_launch.rendezvous.store import (
     Event,
     StoreCompacted,
@@ -15,7 +17,6 @@ from pollux_launch.rendezvous.store import (
     open_store,
 )
 from pollux_launch.rendezvous.store.etcd import parse_url
-from pyetcd import etcdrpc
 
 
 def _dead_port() -> int:

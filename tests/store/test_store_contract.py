@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+
 from pollux_launch.rendezvous.store import (
     Compare,
     Delete,

@@ -1,0 +1,141 @@
+"""``HorovodDriver``: the launcher's driver for a Horovod job - one ``horovodrun`` per job.
+
+Horovod's own elastic driver starts, resets and ends the workers; this driver gives it
+its host list and reads its exit code:
+
+1. once the job has an allocation (an empty host list would make Horovod's driver wait
+   up to ``--elastic-timeout``), a :class:`~.hosts.HostsFileMirror` writes the hosts
+   file and keeps following the allocation in the store; Horovod polls it through a
+   ``cat`` discovery script (cheap: it runs about once a second);
+2. ONE ``horovodrun --gloo`` (elastic: ``--min-np``/``--max-np`` from the job's spec,
+   the user's horovodrun flags from the launching ``pollux-run``) runs the user's command;
+   its workers inherit its environment, so they get the ``POLLUX_*`` variables that let
+   rank 0 report hints (:mod:`.control`);
+3. horovodrun's exit code is the job's: 0 succeeded, anything else failed. Workers that
+   a reset removed exit 134 inside horovodrun - expected, never a job failure.
+
+Node names map to the addresses the node agents registered (``nodes/<node>``), so that
+Horovod can tell local hosts from remote ones; on one machine (or when every address is
+loopback) it gets ``--network-interface lo``, without which it waits for a second host.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from pollux_launch import keys
+from pollux_launch.launcher.drivers import DriverContext, JobDriver, ProcessExit
+from pollux_launch.launcher.options import UNBOUNDED, OptionsError
+from pollux_launch.launcher.workers import WorkerGroup
+from pollux_launch.messages import Allocation, JobSpec, MessageError, NodeInfo, decode
+
+from .command import horovodrun_command, require_horovod
+from .hosts import HostsFileMirror, hosts_from_allocation, write_discovery_script
+
+DRIVER_ID = "horovodrun"
+
+
+class HorovodDriver(JobDriver):
+    side = "launcher"
+
+    def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
+        super().__init__(spec, ctx)
+        self.group = WorkerGroup(spec.name, (), spec.env, cwd=spec.workdir or None,
+                                 stdout=ctx.stdout, prefix_output=False)  # horovodrun prefixes
+        self.mirror: HostsFileMirror | None = None
+        self.folder: Path | None = None
+        self.argv: list[str] = []
+        self.done = False
+
+    @classmethod
+    def preflight(cls) -> None:
+        try:
+            require_horovod()
+        except RuntimeError as exc:
+            raise OptionsError(str(exc)) from None
+
+    @classmethod
+    def wanted(cls, alloc: Allocation | None, node: str) -> bool:
+        return alloc is not None and alloc.num_replicas > 0
+
+    def addresses(self) -> dict[str, str]:
+        """Node name -> the address its agent registered (local mode: this node's)."""
+        if self.ctx.local:
+            return {self.ctx.node.name: self.ctx.node.address}
+        out = {}
+        for kv in self.ctx.store.get_prefix(keys.NODES):
+            try:
+                info = decode(NodeInfo, kv.value)
+            except MessageError:
+                continue
+            out[info.name] = info.address
+        return out
+
+    def command(self, alloc: Allocation, discovery_script: str) -> list[str]:
+        spec, opts = self.spec, self.ctx.options
+        hi = spec.max_replicas
+        np = min(max(alloc.num_replicas, spec.min_replicas), hi)
+        nic = opts.network_interface if opts is not None else None
+        if nic is None and (self.ctx.local or all(
+                host.startswith("127.") or host == "localhost"
+                for host, _ in hosts_from_allocation(alloc, self.addresses()))):
+            nic = "lo"
+        extra: list[str] = []
+        if opts is not None:
+            if opts.output_filename:
+                extra += ["--output-filename", opts.output_filename]
+            if opts.blacklist_cooldown_range:
+                extra += ["--blacklist-cooldown-range",
+                          *(str(v) for v in opts.blacklist_cooldown_range)]
+        return horovodrun_command(
+            spec.command, discovery_script=discovery_script, np=np, min_np=spec.min_replicas,
+            max_np=None if hi >= UNBOUNDED else hi, network_interface=nic,
+            elastic_timeout=int(opts.elastic_timeout) if opts else None,
+            reset_limit=opts.reset_limit if opts else None,
+            start_timeout=int(opts.start_timeout) if opts else None,
+            verbose=bool(opts and opts.verbose), extra_args=extra)
+
+    def reconcile(self, alloc: Allocation | None) -> None:
+        if self.mirror is not None or self.done or alloc is None or not alloc.num_replicas:
+            return  # started once; from then on Horovod follows the hosts file
+        self.folder = Path(tempfile.mkdtemp(prefix=f"pollux-hvd-{self.spec.name}-"))
+        hosts = self.folder / "hosts"
+        script = write_discovery_script(self.folder / "discover.sh", hosts)
+        self.mirror = HostsFileMirror(self.ctx.store, self.spec.name, hosts,
+                                      addresses=self.addresses).start()
+        self.argv = self.command(alloc, str(script))
+        self.group.command = self.argv
+        try:
+            self.group.start(DRIVER_ID, self.ctx.job_env(self.spec.name))
+        except OSError:
+            self._cleanup()
+            self.done = True
+            raise
+
+    def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
+        out = []
+        for _, code in self.group.reap():
+            self._cleanup()
+            self.done = True
+            if code < 0:  # horovodrun itself was killed: the job is lost with it
+                code = 128 - code
+            out.append(ProcessExit(DRIVER_ID, code, "finished" if code == 0 else "failed"))
+        return out
+
+    def alive(self) -> bool:
+        return bool(self.group.alive())
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM makes horovodrun end its workers; SIGKILL after ``grace``."""
+        self.group.stop(grace=grace)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if self.mirror is not None:
+            self.mirror.stop()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None

@@ -1,0 +1,162 @@
+"""How a job's processes are run: one interface, one driver per kind of framework.
+
+* ``replicas`` (:class:`ReplicaDriver`; torch, DeepSpeed): one worker process per
+  allocated replica, started by the node agent of the node the allocation names; the
+  workers re-form their group themselves (``pollux_launch.rendezvous``).
+* ``horovod`` (``pollux_launch.adapters.horovod.driver.HorovodDriver``): ONE
+  ``horovodrun`` per job, run where the job was launched (horovodrun's semantics);
+  Horovod's elastic driver starts and resets the workers, its host list following the
+  job's allocation.
+
+A driver's ``side`` says who runs it: ``"node"`` drivers run in every node agent (for
+the replicas placed on that node), ``"launcher"`` drivers in the ``pollux-run`` that
+submitted the job (in local mode, its own node agent). :func:`driver_class` picks the
+driver of a framework by name through :data:`DRIVERS` (imported lazily, so that the
+launcher never imports a framework it does not run).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, ClassVar, Literal
+
+from ..messages import Allocation, JobSpec, NodeInfo
+from ..rendezvous.store import Store
+from .workers import ExitKind, WorkerGroup, classify_exit
+
+if TYPE_CHECKING:
+    from .options import LaunchOptions
+
+Side = Literal["node", "launcher"]
+
+# Environment a job's processes are started with (read by pollux_launch.adapters and the agent).
+ENV_STORE = "POLLUX_STORE"
+ENV_PREFIX = "POLLUX_STORE_PREFIX"
+ENV_JOB = "POLLUX_JOB"
+ENV_NODE = "POLLUX_NODE"
+ENV_WORKER_ID = "POLLUX_WORKER_ID"
+ENV_ADDR = "POLLUX_ADDR"
+
+# driver name -> "module:Class"; framework -> driver name (others run as "replicas")
+DRIVERS: dict[str, str] = {
+    "replicas": "pollux_launch.launcher.drivers:ReplicaDriver",
+    "horovod": "pollux_launch.adapters.horovod.driver:HorovodDriver",
+}
+FRAMEWORK_DRIVERS: dict[str, str] = {"torch": "replicas", "deepspeed": "replicas",
+                                     "horovod": "horovod"}
+
+
+@dataclass(frozen=True)
+class DriverContext:
+    """What a driver may use, passed in by the agent that runs it."""
+
+    store: Store
+    store_url: str
+    store_prefix: str
+    node: NodeInfo
+    output_dir: str | None = None
+    stdout: IO[str] | None = None
+    options: LaunchOptions | None = None  # the launching pollux-run's flags (launcher side)
+    local: bool = False  # single-machine mode: every host is this one
+
+    def job_env(self, job: str) -> dict[str, str]:
+        """The ``POLLUX_*`` variables every process of ``job`` gets."""
+        return {ENV_STORE: self.store_url, ENV_PREFIX: self.store_prefix, ENV_JOB: job,
+                ENV_NODE: self.node.name, ENV_ADDR: self.node.address}
+
+
+@dataclass(frozen=True)
+class ProcessExit:
+    """One of the job's processes ended: its id, exit code and what that means."""
+
+    worker_id: str
+    code: int
+    kind: ExitKind
+
+
+class JobDriver(ABC):
+    """Runs one job's processes on behalf of an agent (called from its loop only)."""
+
+    side: ClassVar[Side]
+
+    def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
+        self.spec, self.ctx = spec, ctx
+
+    @classmethod
+    def preflight(cls) -> None:
+        """Raise ``OptionsError`` (one line) if this driver cannot run here; called by
+        ``pollux-run`` before anything starts."""
+        return None
+
+    @classmethod
+    @abstractmethod
+    def wanted(cls, alloc: Allocation | None, node: str) -> bool:
+        """Whether an agent on ``node`` should create this driver for ``alloc``."""
+
+    @abstractmethod
+    def reconcile(self, alloc: Allocation | None) -> None:
+        """Start what the allocation asks for and is missing; OSError if it cannot start."""
+
+    @abstractmethod
+    def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
+        """Processes that ended since the last call (``allocation`` reads the current one)."""
+
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+    @abstractmethod
+    def stop(self, grace: float) -> None:
+        """SIGTERM everything, SIGKILL what is left after ``grace`` seconds."""
+
+
+class ReplicaDriver(JobDriver):
+    """One worker per replica the allocation places on this node. A shrink is carried
+    out by the rendezvous (removed workers exit 0 by themselves); a grow starts workers
+    that join the job's next round."""
+
+    side = "node"
+
+    def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
+        super().__init__(spec, ctx)
+        self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
+                                 output_dir=ctx.output_dir, stdout=ctx.stdout)
+
+    @classmethod
+    def wanted(cls, alloc: Allocation | None, node: str) -> bool:
+        return alloc is not None and node in alloc.nodes
+
+    def _want(self, alloc: Allocation | None) -> int:
+        return alloc.nodes.count(self.ctx.node.name) if alloc else 0
+
+    def reconcile(self, alloc: Allocation | None) -> None:
+        import uuid
+
+        for _ in range(self._want(alloc) - len(self.group.alive())):
+            worker_id = f"{self.ctx.node.name}-{uuid.uuid4().hex[:8]}"
+            self.group.start(worker_id, {**self.ctx.job_env(self.spec.name),
+                                         ENV_WORKER_ID: worker_id})
+
+    def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
+        ended = self.group.reap()
+        if not ended:
+            return []
+        # read the allocation afresh: a worker that left because of a rescale exited
+        # after the new allocation was written, perhaps after the caller's last read
+        still_allocated = self._want(allocation()) > len(self.group.alive())
+        return [ProcessExit(w.worker_id, code, classify_exit(code, still_allocated))
+                for w, code in ended]
+
+    def alive(self) -> bool:
+        return bool(self.group.alive())
+
+    def stop(self, grace: float) -> None:
+        self.group.stop(grace=grace)
+
+
+def driver_class(framework: str) -> type[JobDriver]:
+    """The driver that runs ``framework``'s jobs (unknown frameworks: one per replica)."""
+    module, _, name = DRIVERS[FRAMEWORK_DRIVERS.get(framework, "replicas")].partition(":")
+    return getattr(importlib.import_module(module), name)
