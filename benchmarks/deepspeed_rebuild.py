@@ -1,18 +1,25 @@
-"""Pause of surviving DeepSpeed workers per live engine rebuild (CPU, gloo, loopback).
+"""Pause of surviving DeepSpeed workers per live rescale, through the real rendezvous.
 
-    DS_ACCELERATOR=cpu python benchmarks/deepspeed_rebuild.py [--stages 2,0] [--repeats 2]
+    python benchmarks/deepspeed_rebuild.py [--stages 2,0] [--repeats 3]
 
-Three real processes train a ~1M-parameter MLP (Adam) with
-``pollux_launch.adapters.deepspeed``; the job goes 2 -> 3 -> 2 replicas ``--repeats``
-times per ZeRO stage. The newcomer is prewarmed (DeepSpeed imported, model built, waiting
-to join) before the survivors start. Pause = on a survivor, from the step boundary where
-the rescale starts (capture of the consolidated state on the old group) until the rebuilt
-engine has restored its state on the new group; it includes the test harness's process
-group re-formation (destroy + init on a TCPStore, ~tens of ms), which the real rendezvous
-replaces. Reported per direction: the median over survivors and repeats, and its split
-into capture / group re-formation / build+restore.
+Real worker processes train a ~1M-parameter MLP (Adam) with
+``pollux_launch.adapters.deepspeed.initialize`` under the job environment pollux-run gives
+them (``POLLUX_STORE``, ``POLLUX_JOB``...; embedded store, gloo on loopback). The driver
+plays the coordinator: it writes the job's allocation and starts the workers. Per ZeRO
+stage the job starts on 2 workers and goes 2 -> 3 -> 2 ``--repeats`` times; each newcomer
+is started beforehand (prewarmed: DeepSpeed imported, registered with the rendezvous,
+waiting in ``next_round``), the leaver exits 0.
 
-The LAST line printed is one JSON object:
+Pause (as ``benchmarks/rescale.py`` defines it): on a survivor, from the step boundary
+where the replicas' vote says the job has a new version to the completion of the first
+collectives in the new group - here until the rebuilt engine has restored its state
+(broadcast to the newcomer) and the batch decision was broadcast, i.e. the engine is
+ready to train. Also reported: its parts (capture of the consolidated state on the old
+group, rendezvous to the formed group, engine rebuild + restore) and the pause up to the
+end of the first training step in the new group.
+
+``measure(store_url, ...)`` is the entry point for ``benchmarks/rescale.py``. The LAST
+line printed is one JSON object:
 ``{"deepspeed_down_pause_s": .., "deepspeed_up_pause_s": .., ...}`` (ZeRO-2 when measured,
 else the first stage).
 """
@@ -20,176 +27,275 @@ else the first stage).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
-TIMEOUT = datetime.timedelta(seconds=300)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+JOB = "bench-deepspeed"  # + "-zero<stage>"
 
 
-# -- worker -----------------------------------------------------------------------------
+def emit(**fields: Any) -> None:
+    print(json.dumps({"bench": 1, **fields}), flush=True)
 
-def worker(wid: int, port: int, out: Path, stages: list[int], repeats: int) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ["POLLUX_JOB"] = "bench-deepspeed"
+
+# -- worker (a user-style DeepSpeed script) -------------------------------------------
+
+def worker(stage: int) -> int:
     import torch
-    import torch.distributed as dist
 
     from pollux_launch.adapters import deepspeed as pds
 
-    base = dist.TCPStore("127.0.0.1", port, is_master=wid == 0, wait_for_workers=False,
-                         timeout=TIMEOUT)
-    rnd = [0]
-    events: list[dict] = []
-
-    def join(members: list[int]) -> None:
-        rnd[0] += 1
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        rank = members.index(wid)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(len(members)), LOCAL_RANK="0")
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"r{rnd[0]}", base), rank=rank,
-                                world_size=len(members), timeout=TIMEOUT)
-
-    def make(stage: int):
-        torch.manual_seed(wid)
-        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(),
-                                    torch.nn.Linear(1024, 512), torch.nn.ReLU(),
-                                    torch.nn.Linear(512, 10))
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        cfg = {"zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
-               "pollux": {"enabled": True, "initial_batch_size": 32,
-                          "micro_batch_size_range": [4, 32]}}
-        return pds.initialize(model=model, optimizer=opt, config=cfg)[0]
-
-    def train(engine, steps: int = 3) -> None:
-        m = engine.batch[0]
-        for _ in range(steps):
-            x, y = torch.randn(m, 512), torch.randint(0, 10, (m,))
-            engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
-            engine.step()
-
-    def timed_rescale(engine, members: list[int] | None, label: str, stage: int):
-        t: dict[str, float] = {}
-
-        def reform() -> bool:
-            t["captured"] = time.perf_counter()
-            if members is None:
-                dist.destroy_process_group()
-                rnd[0] += 1
-                return False
-            join(members)
-            t["formed"] = time.perf_counter()
-            return True
-
-        t0 = time.perf_counter()
-        engine.rescale(reform, 8, 1)
-        if members is not None:
-            t1 = time.perf_counter()
-            events.append({"stage": stage, "dir": label, "pause": t1 - t0,
-                           "capture": t["captured"] - t0, "reform": t["formed"] - t["captured"],
-                           "rebuild": t1 - t["formed"],
-                           "params": sum(p.numel() for p in engine.module.parameters())})
-
-    for stage in stages:
-        for rep in range(repeats):
-            key = f"s{stage}r{rep}"
-            if wid < 2:
-                if rep == 0:
-                    join([0, 1])
-                    engine = make(stage)
-                train(engine)
-                base.wait([f"{key}/ready"])  # the newcomer is waiting to join
-                timed_rescale(engine, [0, 1, 2], "up", stage)
-                train(engine)
-                timed_rescale(engine, [0, 1], "down", stage)
-            else:
-                rnd[0] += 1 if rep == 0 else 0
-                pds.prewarm()  # a newcomer imports DeepSpeed's lazy parts before joining
-                base.set(f"{key}/ready", "1")
-                join([0, 1, 2])
-                engine = make(stage)  # receives the survivors' state
-                train(engine)
-                timed_rescale(engine, None, "leave", stage)
-        if wid < 2:
-            engine.destroy()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    (out / f"events{wid}.json").write_text(json.dumps(events))
-    print(json.dumps(events), file=sys.stderr)
-    if wid == 0:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(
-                (out / f"events{i}.json").exists() for i in (1, 2)):
-            time.sleep(0.05)
+    torch.set_num_threads(1)
+    pds.prewarm()  # DeepSpeed imported before the worker registers with the rendezvous
+    emit(event="ready", pid=os.getpid())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 256))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    cfg = {"zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+           "pollux": {"enabled": True, "initial_batch_size": 32,
+                      "micro_batch_size_range": [4, 32], "lr_scaling": "none"}}
+    engine, _, _, _ = pds.initialize(model=model, optimizer=opt, config=cfg)
+    job = engine.driver.job
+    emit(event="round", pid=os.getpid(), rank=job.placement.rank, ws=job.placement.world_size,
+         round=job.placement.round, newcomer=True)
+    seen, step = len(engine.driver.rescales), 0
+    g = torch.Generator().manual_seed(1)
+    while True:  # until the allocation removes this worker (exit 0 inside engine.step())
+        m = engine.train_micro_batch_size_per_gpu()
+        x = torch.randn(m, 256, generator=g)
+        engine.backward((engine(x) - x).pow(2).mean())
+        engine.step()
+        step += 1
+        rescales = engine.driver.rescales
+        if len(rescales) > seen:
+            seen = len(rescales)
+            timing = {k: v for k, v in rescales[-1].items() if k not in ("t0", "round")}
+            emit(event="round", pid=os.getpid(), rank=job.placement.rank,
+                 ws=job.placement.world_size, round=job.placement.round, **timing)
+        elif rescales and "pause_to_step_s" in rescales[-1] and step % 10 == 0:
+            emit(event="step", step=step, round=job.placement.round,
+                 to_step=rescales[-1]["pause_to_step_s"])
+        elif step % 10 == 0:
+            emit(event="step", step=step, round=job.placement.round)
 
 
 # -- driver -----------------------------------------------------------------------------
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", default="2,0")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--worker", nargs=3, metavar=("ID", "PORT", "OUT"),
-                        help=argparse.SUPPRESS)
-    opts = parser.parse_args()
-    stages = [int(s) for s in opts.stages.split(",")]
-    if opts.worker:
-        wid, port, out = opts.worker
-        worker(int(wid), int(port), Path(out), stages, opts.repeats)
-        return
+class _Job:
+    """The driver's view: worker processes, their JSON events, the allocation."""
 
+    def __init__(self, store_url: str, stage: int) -> None:
+        from pollux_launch.rendezvous.rounds import JobKeys
+        from pollux_launch.rendezvous.store import open_store
+
+        self.url, self.stage = store_url, stage
+        self.store = open_store(store_url)
+        self.name = f"{JOB}-zero{stage}"
+        self.keys = JobKeys(self.name)
+        self.version = 0
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.events: queue.Queue[dict] = queue.Queue()
+        self.backlog: list[dict] = []
+        self.problems: list[str] = []
+        self.next_id = 0
+        self.log_dir = Path(tempfile.mkdtemp(prefix="ds-rescale-logs-"))
+
+    def allocate(self, replicas: int) -> None:
+        from pollux_launch.messages import Allocation, encode
+
+        self.version += 1
+        self.store.put(self.keys.allocation,
+                       encode(Allocation(self.version, ("local",) * replicas, time.time())))
+
+    def spawn(self) -> str:
+        wid = f"ds{self.stage}-w{self.next_id}"
+        self.next_id += 1
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu",
+               "OMP_NUM_THREADS": "1", "POLLUX_STORE": self.url, "POLLUX_JOB": self.name,
+               "POLLUX_NODE": "local", "POLLUX_WORKER_ID": wid, "POLLUX_ADDR": "127.0.0.1"}
+        with open(self.log_dir / f"{wid}.log", "w") as err:
+            proc = subprocess.Popen([sys.executable, __file__, "--worker", str(self.stage)],
+                                    stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        self.procs[wid] = proc
+        threading.Thread(target=self._read, args=(wid, proc), daemon=True).start()
+        return wid
+
+    def _read(self, wid: str, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("bench") == 1:
+                event["worker"] = wid
+                self.events.put(event)
+
+    def wait(self, count: int, timeout: float = 300.0, **match: Any) -> list[dict]:
+        got, deadline = [], time.monotonic() + timeout
+
+        def matches(e: dict) -> bool:
+            return all(e.get(k) == v for k, v in match.items())
+
+        for event in list(self.backlog):
+            if len(got) < count and matches(event):
+                got.append(event)
+                self.backlog.remove(event)
+        while len(got) < count:
+            failed = {w: p.returncode for w, p in self.procs.items() if p.poll()}
+            if failed:
+                raise RuntimeError(f"worker(s) failed: {failed}; logs in {self.log_dir}")
+            try:
+                event = self.events.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
+                raise RuntimeError(f"timed out waiting for {count} x {match}; exit codes "
+                                   f"{ {w: p.poll() for w, p in self.procs.items()} }; worker "
+                                   f"logs in {self.log_dir}") from None
+            if matches(event):
+                got.append(event)
+            elif event.get("event") != "step":
+                self.backlog.append(event)
+        return got
+
+    def registered(self) -> int:
+        return len(self.store.get_prefix(self.keys.workers))
+
+    def round(self, ws: int, before: dict[str, dict] | None) -> dict[str, dict]:
+        events = {e["worker"]: e for e in self.wait(ws, event="round", ws=ws)}
+        for wid, e in events.items():
+            if e["pid"] != self.procs[wid].pid or self.procs[wid].poll() is not None:
+                self.problems.append(f"{wid} reported pid {e['pid']}")
+        for wid in set(before or {}) & set(events):
+            if events[wid]["pid"] != before[wid]["pid"]:
+                self.problems.append(f"survivor {wid} changed its pid")
+        return events
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self.store.close()
+
+
+def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = True
+            ) -> dict[str, Any]:
+    """Median pauses of DeepSpeed survivors over ``repeats`` 2 -> 3 -> 2 cycles (module
+    docstring) on the store at ``store_url`` (e.g. ``embedded:///tmp/x/store.db``; the job
+    is named ``bench-deepspeed-zero<stage>``). Returns ``{"deepspeed_down_pause_s",
+    "deepspeed_up_pause_s", ...}``; raises RuntimeError if a worker fails or a phase times
+    out."""
     from tqdm import tqdm
 
-    with tempfile.TemporaryDirectory(prefix="ds-rebuild-") as tmp:
-        out, port = Path(tmp), _free_port()
-        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-        procs = [subprocess.Popen(
-            [sys.executable, __file__, "--stages", opts.stages, "--repeats", str(opts.repeats),
-             "--worker", str(i), str(port), str(out)],
-            stdout=subprocess.DEVNULL, stderr=open(out / f"log{i}.txt", "w"), env=env)
-            for i in range(3)]
-        with tqdm(total=3, desc="workers done", unit="proc") as bar:
-            for p in procs:
-                p.wait(timeout=900)
-                bar.update(1)
-        if any(p.returncode for p in procs):
-            for i in range(3):
-                print(f"--- worker {i}\n" + (out / f"log{i}.txt").read_text()[-2000:])
-            raise SystemExit("a worker failed")
-        events = [e for i in (0, 1) for e in json.loads((out / f"events{i}.json").read_text())]
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    job = _Job(store_url, stage)
+    up: list[dict] = []
+    down: list[dict] = []
+    try:
+        with tqdm(total=1 + 2 * repeats, desc=f"deepspeed ZeRO-{stage} rescale",
+                  unit="phase", file=sys.stderr, disable=not progress) as bar:
+            job.allocate(2)
+            for _ in range(2):
+                job.spawn()
+            rnd = job.round(2, None)
+            job.wait(2, event="step")
+            bar.update()
+            for _ in range(repeats):
+                newcomer = job.spawn()
+                job.wait(1, event="ready", worker=newcomer)
+                deadline = time.monotonic() + 120
+                while job.registered() < 3 and time.monotonic() < deadline:
+                    time.sleep(0.05)  # prewarmed: registered, waiting in next_round
+                time.sleep(0.5)
+                job.wait(2, event="step")
+                job.allocate(3)
+                grown = job.round(3, rnd)
+                up += [grown[w] for w in rnd]
+                job.wait(3, event="step")
+                bar.update()
+                job.allocate(2)
+                rnd = job.round(2, grown)
+                down += list(rnd.values())
+                leaver = next(w for w in grown if w not in rnd)
+                code = job.procs[leaver].wait(timeout=120)
+                if code != 0:
+                    job.problems.append(f"leaver {leaver} exited {code}")
+                job.wait(2, event="step")
+                bar.update()
+            job.allocate(0)  # the end: everyone leaves with exit 0
+            for wid in rnd:
+                if job.procs[wid].wait(timeout=120) != 0:
+                    job.problems.append(f"{wid} exited {job.procs[wid].returncode}")
+    finally:
+        job.close()
 
-    result: dict[str, float | int] = {}
-    for stage in stages:
-        for direction in ("down", "up"):
-            rows = [e for e in events if e["stage"] == stage and e["dir"] == direction]
-            per_rep = rows  # both survivors, every repeat
-            pause = statistics.median(sorted(e["pause"] for e in per_rep))
-            for part in ("capture", "reform", "rebuild"):
-                result[f"zero{stage}_{direction}_{part}_s"] = round(
-                    statistics.median(e[part] for e in per_rep), 4)
-            result[f"zero{stage}_{direction}_pause_s"] = round(pause, 4)
-            result["params"] = per_rep[0]["params"]
-            print(f"ZeRO-{stage} {direction:4s}: pause {pause:.3f} s over {len(per_rep)} "
-                  "survivor-rescales", flush=True)
-    main_stage = 2 if 2 in stages else stages[0]
-    final = {"deepspeed_down_pause_s": result[f"zero{main_stage}_down_pause_s"],
-             "deepspeed_up_pause_s": result[f"zero{main_stage}_up_pause_s"],
-             "zero_stage": main_stage, **result}
+    def med(rows: list[dict], key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return round(statistics.median(vals), 4) if vals else None
+
+    out: dict[str, Any] = {
+        "deepspeed_down_pause_s": med(down, "pause_s"),
+        "deepspeed_up_pause_s": med(up, "pause_s"),
+        "zero_stage": stage,
+        "pids_kept": not job.problems,
+        "repeats": repeats,
+    }
+    for name, rows in (("down", down), ("up", up)):
+        out[f"deepspeed_{name}_pause_max_s"] = round(max(r["pause_s"] for r in rows), 4)
+        out[f"deepspeed_{name}_capture_s"] = med(rows, "captured_s")
+        out[f"deepspeed_{name}_rendezvous_s"] = round(statistics.median(
+            r["formed_s"] - r["captured_s"] for r in rows), 4)
+        out[f"deepspeed_{name}_rebuild_s"] = round(statistics.median(
+            r["rebuilt_s"] - r["formed_s"] for r in rows), 4)
+    for why in job.problems:
+        print(f"pids_kept violated: {why}", file=sys.stderr)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", default="2,0", help="ZeRO stages, comma separated")
+    parser.add_argument("--repeats", type=int, default=3, help="2->3->2 cycles per stage")
+    parser.add_argument("--store", default=None,
+                        help="store URL (default: an embedded store in a temp dir)")
+    parser.add_argument("--worker", type=int, metavar="STAGE", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.worker is not None:
+        sys.exit(worker(opts.worker))
+    try:
+        stages = [int(s) for s in opts.stages.split(",")]
+    except ValueError:
+        parser.error(f"--stages must be comma-separated integers, got {opts.stages!r}")
+    if opts.repeats < 1 or any(s not in (0, 1, 2) for s in stages):
+        parser.error("--repeats must be >= 1 and --stages among 0, 1, 2")
+    results: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="ds-rescale-") as tmp:
+        for stage in stages:
+            url = opts.store or f"embedded://{Path(tmp)}/store{stage}.db"
+            results[stage] = measure(url, opts.repeats, stage)
+            r = results[stage]
+            print(f"ZeRO-{stage}: down {r['deepspeed_down_pause_s']:.3f} s, up "
+                  f"{r['deepspeed_up_pause_s']:.3f} s (median over survivors and repeats)",
+                  flush=True)
+    main_stage = 2 if 2 in results else stages[0]
+    final = dict(results[main_stage])
+    for stage, r in results.items():
+        for key in ("deepspeed_down_pause_s", "deepspeed_up_pause_s"):
+            final[f"zero{stage}_{key.removeprefix('deepspeed_')}"] = r[key]
+    final["pids_kept"] = all(r["pids_kept"] for r in results.values())
     print(json.dumps(final))
 
 

@@ -1,13 +1,18 @@
 """A DeepSpeed job with a "pollux" section: a small MLP on scikit-learn's digits, CPU.
 
-    DS_ACCELERATOR=cpu python examples/deepspeed_train.py            # one process
-    DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 examples/deepspeed_train.py
-    pollux-run -np 1 --max-np 4 python examples/deepspeed_train.py   # adaptive, live rescale
+    python examples/deepspeed_train.py                                   # one process
+    torchrun --nproc-per-node 2 examples/deepspeed_train.py              # static, 2 procs
+    pollux-run --store embedded:///tmp/pollux.db -np 2 --max-np 3 \\
+        python examples/deepspeed_train.py                               # adaptive, live
 
-The only pollux-specific line is the import of ``initialize``. Under pollux-run the
-engine is a PolluxEngine handle: the batch size, accumulation and LR factor follow the
-agent, and the job rescales in place; elsewhere it is a plain DeepSpeed engine running
-at the section's ``initial_batch_size``. The config's optimizer is AdamW (DeepSpeed
+The only pollux-specific lines are the import of ``initialize`` and ``epochs``. Under
+pollux-run the engine is a PolluxEngine handle: the agent picks the per-GPU micro batch,
+the accumulation steps and the LR factor, the job rescales in place inside
+``engine.step()``, and the dataloader (passed as ``training_data``) is pollux's
+AdaptiveDataLoader, whose position in the epoch survives every rescale (newcomers
+receive it with the training state, so each sample is seen once per epoch). Elsewhere it
+is a plain DeepSpeed engine at the section's ``initial_batch_size``. Without a GPU the
+adapter sets ``DS_ACCELERATOR=cpu``. The config's optimizer is AdamW (DeepSpeed
 JIT-compiles its CPU Adam on first use: g++ and ninja are needed).
 """
 
@@ -17,17 +22,18 @@ import argparse
 import os
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
+from torch.utils.data import TensorDataset
 
-from pollux_launch.adapters.deepspeed import initialize
+from pollux_launch.adapters.deepspeed import epochs, initialize
 
 
 def _single_process_env() -> None:
-    """A one-process world when started without a launcher (DeepSpeed needs these)."""
+    """A one-process world when started without any launcher (DeepSpeed needs these)."""
+    if "POLLUX_JOB" in os.environ:
+        return  # pollux-run: the rendezvous provides them
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533")):
         os.environ.setdefault(key, value)
@@ -50,28 +56,26 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 10))
-    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(),
-                                 config=opts.config)
-    rank, world = engine.global_rank, engine.dp_world_size
-    for epoch in range(opts.epochs):
-        order = train[torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch))]
-        pos = 0
-        micro = engine.train_micro_batch_size_per_gpu()
-        while pos + world * micro <= len(order):
-            idx = order[pos + rank * micro: pos + (rank + 1) * micro]
-            pos += world * micro
-            loss = F.cross_entropy(engine(x[idx]), y[idx])
+    engine, _, loader, _ = initialize(model=model, model_parameters=model.parameters(),
+                                      training_data=TensorDataset(x[train], y[train]),
+                                      config=opts.config)
+    acc = 0.0
+    for epoch in epochs(engine, opts.epochs):
+        for xb, yb in loader:
+            loss = F.cross_entropy(engine(xb), yb)
             engine.backward(loss)
-            engine.step()
+            engine.step()  # under pollux-run: batch changes and rescales happen in here
         with torch.no_grad():
-            acc = (engine(x[val]).argmax(1) == y[val]).float().mean().item()
-        if rank == 0:
-            print(f"epoch {epoch}: loss {loss.item():.3f} val acc {acc:.3f} "
-                  f"batch {engine.train_batch_size()} (world {world})", flush=True)
+            acc = (engine.module(x[val]).argmax(1) == y[val]).float().mean().item()
+        if engine.global_rank == 0:
+            print(f"epoch {epoch}: loss {loss.item():.3f} val acc {acc:.3f} batch "
+                  f"{engine.train_batch_size()} = {engine.dp_world_size} x "
+                  f"{engine.train_micro_batch_size_per_gpu()} x "
+                  f"{engine.gradient_accumulation_steps()}", flush=True)
         if acc >= opts.target:
             break
-    if rank == 0:
-        print(f"reached {acc:.3f} (target {opts.target})")
+    if engine.global_rank == 0:
+        print(f"reached {acc:.3f} (target {opts.target})", flush=True)
 
 
 if __name__ == "__main__":

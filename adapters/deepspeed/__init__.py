@@ -7,8 +7,9 @@ Change one import line::
 
 Modules: :mod:`.config` (the section, pure), :mod:`.engine` (``initialize``, the engine
 handle), :mod:`.state` (capture / rebuild / restore of an engine across world sizes),
-:mod:`.gradients` (gradient noise statistics), :mod:`.compat` (every DeepSpeed-internal
-access, DeepSpeed 0.19.8). Importing this package does not import DeepSpeed.
+:mod:`.gradients` (gradient noise statistics), :mod:`.elastic` (the job under pollux-run:
+agent decisions, hints, rescales at step boundaries), :mod:`.compat` (every
+DeepSpeed-internal access, DeepSpeed 0.19.8). Importing this package does not import DeepSpeed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ __all__ = [
     "capture",
     "derive_ds_config",
     "detach",
+    "epochs",
     "initialize",
+    "initialize_handle",
     "parse_pollux_config",
     "prewarm",
     "rebuild",
@@ -41,6 +44,23 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
     from .engine import initialize as _initialize
 
     return _initialize(*args, **kwargs)
+
+
+def initialize_handle(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """A PolluxEngine on a caller-managed process group; see :func:`.engine.initialize_handle`."""
+    from .engine import initialize_handle as _initialize_handle
+
+    return _initialize_handle(*args, **kwargs)
+
+
+def epochs(engine: Any, total: int) -> Any:
+    """The epochs to run: under pollux-run the engine's statistical epochs (they resume
+    where the job stands, so a newcomer starts at the job's epoch), else ``range(total)``."""
+    from .engine import PolluxEngine
+
+    if isinstance(engine, PolluxEngine) and engine.loader is not None:
+        return engine.epochs(total)
+    return range(total)
 
 
 def __getattr__(name: str) -> Any:
@@ -57,4 +77,8 @@ def __getattr__(name: str) -> Any:
         from .engine import PolluxEngine
 
         return PolluxEngine
+    if name == "ElasticDeepSpeed":
+        from .elastic import ElasticDeepSpeed
+
+        return ElasticDeepSpeed
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,6 +21,9 @@ What is touched and why:
   replica's partition of the fp32 master weights and optimizer state into per-parameter
   tensors, and to cut them again for a new data-parallel size.
 * Engine counters ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``.
+* ``_is_gradient_accumulation_boundary`` - cleared after a step whose boundary was forced
+  with the public ``set_gradient_accumulation_boundary`` (which cannot reset it to "use
+  the micro-step counter").
 """
 
 from __future__ import annotations
@@ -80,6 +83,11 @@ def set_counters(engine: Any, counters: dict[str, int]) -> None:
     for name in COUNTERS:
         if name in counters:
             setattr(engine, name, int(counters[name]))
+
+
+def clear_boundary_override(engine: Any) -> None:
+    """Let the micro-step counter decide accumulation boundaries again."""
+    engine._is_gradient_accumulation_boundary = None
 
 
 def align_micro_steps(engine: Any) -> None:

@@ -15,7 +15,8 @@ Example (all keys; see README.md next to this file)::
         "max_batch_size": 1024,
         "micro_batch_size_range": [4, 64],
         "lr_scaling": "adascale",
-        "gradient_accumulation": true
+        "gradient_accumulation": true,
+        "report_interval": 30
     }
 
 This module is pure: no DeepSpeed import, no I/O except reading a JSON file named by
@@ -65,6 +66,8 @@ class PolluxConfig:
         gradient_accumulation: whether pollux may use gradient accumulation steps
             (``s > 0``) to reach batch sizes beyond ``world_size * max micro batch``.
             Default ``False`` (as adaptdl).
+        report_interval: seconds between two reports of the job's hints (fitted throughput
+            model, gradient statistics) to the store by rank 0 under pollux-run. Default 30.
     """
 
     enabled: bool = False
@@ -73,6 +76,7 @@ class PolluxConfig:
     micro_batch_size_range: tuple[int, int] = (1, 1)
     lr_scaling: str = "adascale"
     gradient_accumulation: bool = False
+    report_interval: float = 30.0
 
     @property
     def min_micro_batch_size(self) -> int:
@@ -108,6 +112,7 @@ _FIELDS = {
     "micro_batch_size_range": list,
     "lr_scaling": str,
     "gradient_accumulation": bool,
+    "report_interval": float,
 }
 
 
@@ -134,12 +139,13 @@ def load_ds_config(config: str | Path | Mapping[str, Any] | None) -> dict[str, A
 
 
 def _type_name(t: type) -> str:
-    return {bool: "true/false", int: "an integer", list: "a list", str: "a string"}[t]
+    return {bool: "true/false", int: "an integer", float: "a number", list: "a list",
+            str: "a string"}[t]
 
 
 def _check_type(key: str, value: Any, want: type) -> None:
-    ok = isinstance(value, want)
-    if want is int and isinstance(value, bool):
+    ok = isinstance(value, (int, float) if want is float else want)
+    if want in (int, float) and isinstance(value, bool):
         ok = False  # JSON true is not a batch size
     if not ok:
         raise PolluxConfigError(
@@ -209,9 +215,13 @@ def parse_pollux_config(config: str | Path | Mapping[str, Any] | None) -> Pollux
         raise PolluxConfigError(
             f"pollux.lr_scaling {lr!r} is not a known rule; choose one of {', '.join(rules)}")
 
+    report = section.get("report_interval", 30.0)
+    if not 0 < report < float("inf"):
+        raise PolluxConfigError(f"pollux.report_interval must be > 0 seconds, got {report}")
+
     cfg = PolluxConfig(enabled=enabled, initial_batch_size=init, max_batch_size=max_bsz,
                        micro_batch_size_range=(lo, hi), lr_scaling=lr,
-                       gradient_accumulation=accumulate)
+                       gradient_accumulation=accumulate, report_interval=float(report))
     if enabled:
         _check_conflicts(ds, cfg)
     return cfg

@@ -11,6 +11,12 @@ handle that survives live rescales.
   follow the engine across rebuilds. The handle adds batch-size / accumulation changes at
   accumulation boundaries, an LR factor applied around each optimizer step (the user's
   scheduler is never overwritten), gradient-noise statistics, and :meth:`PolluxEngine.rescale`.
+  The worker joins the job's live rendezvous first, and :class:`.elastic.ElasticDeepSpeed`
+  makes the job goodput-adaptive and rescales it at optimizer-step boundaries (inside
+  ``engine.step()``). With ``training_data`` the returned dataloader is a pollux
+  ``AdaptiveDataLoader`` whose position survives rescales.
+
+Without a GPU, ``DS_ACCELERATOR`` defaults to ``cpu`` (set before DeepSpeed is imported).
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-from .config import PolluxConfig, derive_ds_config, load_ds_config, parse_pollux_config
+from .config import (
+    PolluxConfig,
+    PolluxConfigError,
+    derive_ds_config,
+    load_ds_config,
+    parse_pollux_config,
+)
 from .gradients import DeepSpeedGradStats
 from .state import EngineState, capture, detach, restore
 
@@ -64,36 +76,98 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     """Drop-in for ``deepspeed.initialize`` (same arguments, same returned
     ``(engine, optimizer, training_dataloader, lr_scheduler)``); see the module docstring.
     Raises :class:`~.config.PolluxConfigError` for a bad ``"pollux"`` section."""
+    kwargs = dict(args=args, model=model, optimizer=optimizer,
+                  model_parameters=model_parameters, training_data=training_data,
+                  lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
+                  collate_fn=collate_fn, mesh_param=mesh_param)
+    return _initialize(kwargs, distributed_port, config, config_params,
+                       "elastic" if JOB_ENV in os.environ else "static")
+
+
+def initialize_handle(args: Any = None, model: torch.nn.Module | None = None,
+                      optimizer: Any = None, model_parameters: Any = None,
+                      lr_scheduler: Any = None, mpu: Any = None,
+                      config: Any = None, config_params: Any = None
+                      ) -> tuple[Any, Any, Any, Any]:
+    """A :class:`PolluxEngine` on the process group the *caller* manages (no rendezvous,
+    no agent): for custom launchers and tests, which drive ``engine.rescale(reform)``
+    themselves. Needs an enabled ``"pollux"`` section; returns ``initialize``'s tuple
+    (no dataloader)."""
+    kwargs = dict(args=args, model=model, optimizer=optimizer,
+                  model_parameters=model_parameters, training_data=None,
+                  lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=None,
+                  collate_fn=None, mesh_param=None)
+    return _initialize(kwargs, None, config, config_params, "handle")
+
+
+def _initialize(kwargs: dict[str, Any], distributed_port: int | None, config: Any,
+                config_params: Any, mode: str) -> tuple[Any, Any, Any, Any]:
+    _default_accelerator()
     import deepspeed
 
     compat.check_version()
-    kwargs: dict[str, Any] = dict(args=args, model=model, optimizer=optimizer,
-                                  model_parameters=model_parameters,
-                                  training_data=training_data, lr_scheduler=lr_scheduler,
-                                  mpu=mpu, dist_init_required=dist_init_required,
-                                  collate_fn=collate_fn, mesh_param=mesh_param)
     if distributed_port is not None:
         kwargs["distributed_port"] = distributed_port
+    args = kwargs["args"]
     source = _config_source(args, config, config_params)
     pollux = parse_pollux_config(source) if source is not None else None
-    if pollux is None:
-        return deepspeed.initialize(config=config, config_params=config_params, **kwargs)
+    if pollux is None or not pollux.enabled:
+        if mode == "handle":
+            raise PolluxConfigError('initialize_handle needs a "pollux" section with '
+                                    '"enabled": true in the ds_config')
+        if pollux is None:
+            return deepspeed.initialize(config=config, config_params=config_params, **kwargs)
     ds_config = load_ds_config(source)
     assert ds_config is not None
     kwargs["args"] = _without_args_config(args)
     if not pollux.enabled:
         ds_config.pop("pollux", None)
         return deepspeed.initialize(config=ds_config, **kwargs)
-
-    deepspeed.init_distributed(dist_init_required=dist_init_required)
+    if mode == "elastic":
+        return _initialize_elastic(deepspeed, kwargs, ds_config, pollux)
+    deepspeed.init_distributed(dist_init_required=kwargs["dist_init_required"])
     world = _world_size()
     micro, steps = pollux.initial_micro_batch(world)
-    if JOB_ENV not in os.environ:
-        return deepspeed.initialize(config=derive_ds_config(ds_config, world, micro, steps),
-                                    **kwargs)
+    if mode == "handle":
+        handle = PolluxEngine(_Recipe.record(kwargs, ds_config), pollux, micro, steps)
+        return handle, handle.live("optimizer"), None, handle.live("lr_scheduler")
+    return deepspeed.initialize(config=derive_ds_config(ds_config, world, micro, steps),
+                                **kwargs)
+
+
+def _default_accelerator() -> None:
+    """DeepSpeed on a machine without a GPU: say so (it would guess, with a warning)."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[str, Any],
+                        pollux: PolluxConfig) -> tuple[Any, Any, Any, Any]:
+    """Under pollux-run: join the job's rendezvous, build the engine for the current round
+    (a newcomer to a running job receives its state), hand it to the elastic driver."""
+    from pollux_launch.adapters.torch.data import AdaptiveDataLoader
+    from pollux_launch.adapters.torch.job import init as join_job
+
+    from .elastic import ElasticDeepSpeed
+
+    compat.prewarm()  # before announcing ourselves: survivors may wait for us
+    job = join_job()  # forms this round's process group (and exports RANK, WORLD_SIZE...)
+    deepspeed.init_distributed(dist_init_required=False)  # adopt it
+    loader = None
+    data = kwargs.pop("training_data", None)
+    if data is not None:
+        p = job.placement
+        loader = AdaptiveDataLoader(
+            data, pollux.initial_batch_size, max_batch_size=pollux.max_batch_size,
+            local_bsz_bounds=pollux.micro_batch_size_range,
+            gradient_accumulation=pollux.gradient_accumulation, rank=p.rank,
+            num_replicas=p.world_size, collate_fn=kwargs.get("collate_fn"))
+    kwargs["training_data"] = None
+    micro, steps = pollux.initial_micro_batch(_world_size())
     handle = PolluxEngine(_Recipe.record(kwargs, ds_config), pollux, micro, steps)
-    return handle, handle.live("optimizer"), handle.live("training_dataloader"), \
-        handle.live("lr_scheduler")
+    handle.loader = loader
+    ElasticDeepSpeed(handle, job, loader)
+    return handle, handle.live("optimizer"), loader, handle.live("lr_scheduler")
 
 
 @dataclass
@@ -171,6 +245,10 @@ class PolluxEngine:
         self._saved_lrs: list[Any] = []
         self._pending: tuple[int, int] | None = None
         self.grad_stats = DeepSpeedGradStats(pollux.initial_batch_size)
+        self.loader: Any = None  # a pollux AdaptiveDataLoader: its steps set the boundaries
+        self.driver: Any = None  # the ElasticDeepSpeed that owns this handle under pollux-run
+        self._forced_boundary = False
+        self._skip_step = False
         # a newcomer to a running job receives the survivors' state here
         self.restored_state = self._build(None, micro_batch, accumulation_steps)
 
@@ -219,19 +297,54 @@ class PolluxEngine:
         return self.engine(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        eng = self.engine
         self.grad_stats.begin_micro_step()
-        return self.engine.backward(loss, *args, **kwargs)
+        loader = self.loader
+        if (loader is not None and loader.is_sync_step
+                and not eng.is_gradient_accumulation_boundary()):
+            # the loader ends the epoch with a short step: make it a boundary for DeepSpeed
+            eng.set_gradient_accumulation_boundary(True)
+            self._forced_boundary = True
+        try:
+            return eng.backward(loss, *args, **kwargs)
+        except RuntimeError as exc:
+            if self.driver is None or not self.driver.recover(exc):
+                raise
+            self._skip_step = True  # the micro-batch in flight is lost
+            return None
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        """DeepSpeed's ``step()``; at an accumulation boundary, after the optimizer step,
+        also the pollux boundary work (batch changes, rescale votes and rescales)."""
+        if self._skip_step:
+            self._skip_step = False
+            return None
         eng = self.engine
         boundary = eng.is_gradient_accumulation_boundary()
         skipped = eng.skipped_steps
         out = eng.step(*args, **kwargs)
         if boundary:
-            self.grad_stats.end_step(stepped=eng.skipped_steps == skipped)
+            short = self._forced_boundary
+            if short:  # back to DeepSpeed's own counting, from a whole step on
+                self._forced_boundary = False
+                compat.clear_boundary_override(eng)
+                compat.align_micro_steps(eng)
+            # a short step has fewer micro-batches than the statistics assume: not sampled
+            self.grad_stats.end_step(stepped=eng.skipped_steps == skipped and not short)
             if self._pending is not None:
                 self._apply_batch(*self._pending)
+            if self.driver is not None:
+                self.driver.on_boundary()
         return out
+
+    def epochs(self, total: float) -> Any:
+        """Statistical epochs (Pollux Sec. 3.1) under pollux-run: yields the loader's data
+        epoch until ``total`` epochs' worth of progress at ``initial_batch_size`` is done,
+        resuming where the job stands (a newcomer starts at the job's epoch)."""
+        if self.driver is None or self.loader is None:
+            raise ValueError("engine.epochs() needs pollux-run and training_data passed to "
+                             "initialize (it follows the returned dataloader)")
+        return self.driver.epochs(total)
 
     # -- batch size, accumulation, LR ------------------------------------------------
     @property

@@ -18,6 +18,7 @@ launcher never imports a framework it does not run).
 from __future__ import annotations
 
 import importlib
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,9 +64,13 @@ class DriverContext:
     local: bool = False  # single-machine mode: every host is this one
 
     def job_env(self, job: str) -> dict[str, str]:
-        """The ``POLLUX_*`` variables every process of ``job`` gets."""
-        return {ENV_STORE: self.store_url, ENV_PREFIX: self.store_prefix, ENV_JOB: job,
-                ENV_NODE: self.node.name, ENV_ADDR: self.node.address}
+        """The ``POLLUX_*`` variables every process of ``job`` gets; and, as torchrun
+        does, one node's share of OpenMP threads per slot unless the user set it."""
+        env = {ENV_STORE: self.store_url, ENV_PREFIX: self.store_prefix, ENV_JOB: job,
+               ENV_NODE: self.node.name, ENV_ADDR: self.node.address}
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, self.node.slots)))
+        return env
 
 
 @dataclass(frozen=True)

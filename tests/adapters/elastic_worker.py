@@ -1,4 +1,5 @@
-"""Worker for test_torch_elastic: trains with the native adapter, logs what it did.
+"""Worker for test_torch_elastic: trains with the native adapter, logs what it did, and
+stops at the end of the first epoch after the test created $LOG_DIR/stop.
 
 Each worker appends JSON lines to $LOG_DIR/<worker>.jsonl: one per optimiser step
 ({"kind": "step", "epoch", "round", "world", "rank", "indices"}) and, at the end, the
@@ -17,7 +18,8 @@ from torch.utils.data import TensorDataset
 
 import pollux_launch.adapters.torch as pollux
 
-N, EPOCHS = int(os.environ.get("N", 480)), int(os.environ.get("EPOCHS", 5))
+N = int(os.environ.get("N", 480))
+STOP = os.path.join(os.environ["LOG_DIR"], "stop")  # the test creates it when done
 log = open(os.path.join(os.environ["LOG_DIR"], os.environ["POLLUX_WORKER_ID"] + ".jsonl"), "a")
 
 
@@ -37,7 +39,7 @@ loader = pollux.AdaptiveDataLoader(data, batch_size=12, local_bsz_bounds=(2, 12)
 trainer = pollux.ElasticTrainer(model, optimizer, loader, report_interval=1.0)
 write(kind="start", pid=os.getpid(), round=job.placement.round)
 pending = []
-for _ in trainer.epochs(EPOCHS):
+for _ in trainer.epochs(10_000):
     for xb, yb, idx in loader:
         epoch = loader.epoch
         pending.extend(idx.tolist())
@@ -47,6 +49,12 @@ for _ in trainer.epochs(EPOCHS):
                   pid=os.getpid(), indices=pending, step=trainer.steps)
             pending = []
         time.sleep(0.01)
+    # every replica must leave at the same epoch: rank 0 decides
+    stop = torch.tensor([int(os.path.exists(STOP))])
+    if job.placement.world_size > 1:
+        torch.distributed.broadcast(stop, 0)
+    if stop.item():
+        break
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
 write(kind="end", pid=os.getpid(), params=digest.hexdigest(), round=job.placement.round)
 sys.exit(0)

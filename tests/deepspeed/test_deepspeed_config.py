@@ -31,6 +31,12 @@ def test_good_section_from_dict_and_file(tmp_path):
     assert parse_pollux_config(str(path)) == cfg
 
 
+def test_report_interval():
+    assert parse_pollux_config(ds()).report_interval == 30.0
+    assert parse_pollux_config(ds(report_interval=2)).report_interval == 2.0
+    assert parse_pollux_config(ds(report_interval=0.5)).report_interval == 0.5
+
+
 def test_no_section_and_defaults():
     assert parse_pollux_config({"train_batch_size": 8}) is None
     cfg = parse_pollux_config({"pollux": {"enabled": True, "initial_batch_size": 32}})
@@ -58,6 +64,10 @@ def test_no_section_and_defaults():
      r"set gradient_accumulation to true"),
     ({"lr_scaling": "cubic"}, r"lr_scaling 'cubic' is not a known rule"),
     ({"lr_scaling": 2}, r"lr_scaling must be a string"),
+    ({"report_interval": "30"}, r"pollux.report_interval must be a number"),
+    ({"report_interval": True}, r"pollux.report_interval must be a number"),
+    ({"report_interval": 0}, r"report_interval must be > 0 seconds"),
+    ({"report_interval": float("nan")}, r"report_interval must be > 0 seconds"),
 ])
 def test_section_errors(section, match):
     with pytest.raises(PolluxConfigError, match=match) as err:

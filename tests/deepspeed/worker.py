@@ -8,8 +8,8 @@ leaves). After each rescale every replica checks that the parameters are identic
 ranks and that the consolidated state equals the one captured before the rescale. The
 results (PIDs per round, losses, checks) go to OUT/worker{ID}.json.
 
-This stands in for the real rendezvous (``pollux_launch.rendezvous``): ``reform`` below
-is the hook it will fill.
+The process groups are this harness's own (``initialize_handle``); the real rendezvous
+path is tested by ``test_deepspeed_pollux.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-os.environ["POLLUX_JOB"] = "test-deepspeed"
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
 import torch
@@ -78,7 +77,8 @@ def make_job(stage: int):
                    "micro_batch_size_range": [2, 16], "lr_scaling": "adascale",
                    "gradient_accumulation": True},
     }
-    return pds.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
+    return pds.initialize_handle(model=model, optimizer=opt, lr_scheduler=sched,
+                                 config=config)
 
 
 def eval_loss(engine) -> float:

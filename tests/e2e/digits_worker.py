@@ -50,7 +50,11 @@ for _ in trainer.epochs(10_000):
         # compute-bound stand-in: a step costs time in proportion to the per-replica batch
         time.sleep(max(0.0, args.step_delay * len(x) / 32 - (time.monotonic() - t0)))
     acc = digits.accuracy(trainer.module, val_set)
-    if os.path.exists(args.stop_file) and acc >= args.target:
+    # every replica must leave at the same epoch: rank 0 decides
+    stop = torch.tensor([int(os.path.exists(args.stop_file) and acc >= args.target)])
+    if job.placement.world_size > 1:
+        torch.distributed.broadcast(stop, 0)
+    if stop.item():
         break
 if job.placement.rank == 0:
     print(f"final val_acc {acc:.4f}", flush=True)
