@@ -90,7 +90,7 @@ class Coordinator:
         for j, name in enumerate(active):
             old = jobs[name].allocation
             placement = _placement(old.nodes if old else (), target[j], names)
-            if old is None or placement != old.nodes:
+            if placement != (old.nodes if old else ()):  # (no key for "not placed yet")
                 writes[name] = Allocation(_next_version(old), placement, now)
         for name, view in jobs.items():  # finished jobs give their slots back
             if view.status and view.status.finished and view.allocation and view.allocation.nodes:

@@ -11,7 +11,9 @@ Protocol (keys in ``pollux_launch.keys``):
   a node in cluster mode) runs one framework driver per job, e.g. ``horovodrun``.
 * Runs a job only if its spec is signed with the cluster secret (when one is set).
 * Reports exits as the driver classifies them: a worker that ends with exit 0 while
-  still allocated finished the job (``JobStatus`` succeeded); any other non-zero exit
+  still allocated completed the script: no process is replaced any more, and once the
+  job's other workers here exited too (or ``FINISH_GRACE`` passed) the job is
+  ``succeeded``; any other non-zero exit
   fails the job (its workers are stopped everywhere and its slots freed); a worker
   killed by a signal is lost and the job goes on with its survivors (the next
   allocation replaces it). A framework driver's own exit code is the job's.
@@ -48,6 +50,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# After one worker completed the script (exit 0 while allocated), how long the job's other
+# workers on this node get to complete it too before the job is reported succeeded.
+FINISH_GRACE = 30.0
+
 
 class NodeAgent:
     def __init__(
@@ -80,6 +86,7 @@ class NodeAgent:
         self.drivers: dict[str, JobDriver] = {}
         self.exits: list[tuple[str, str, int]] = []  # (job, worker id, code), for callers
         self._refused: set[str] = set()
+        self._finishing: dict[str, float] = {}  # job -> when to stop waiting for the rest
         self._lease = 0
 
     @property
@@ -124,6 +131,8 @@ class NodeAgent:
                 continue
             if driver is None:
                 driver = self.drivers[name] = cls(spec, self.context)
+            if name in self._finishing:
+                continue  # the script completed: replace no process
             try:
                 driver.reconcile(alloc)
             except OSError as exc:
@@ -135,13 +144,19 @@ class NodeAgent:
                 self._set_status(name, JobStatus("running", None, "", self.clock()))
 
     def _reap(self) -> None:
+        for name, deadline in list(self._finishing.items()):
+            driver = self.drivers[name]
+            if driver.alive() and self.clock() < deadline:
+                continue
+            del self._finishing[name]
+            self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
         for name, driver in list(self.drivers.items()):
             for ended in driver.reap(lambda name=name: self._allocation(name)):
                 self.exits.append((name, ended.worker_id, ended.code))
                 log.info("job %s process %s exited %d (%s)", name, ended.worker_id, ended.code,
                          ended.kind)
-                if ended.kind == "finished":
-                    self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
+                if ended.kind == "finished":  # the others are finishing too: let them
+                    self._finishing.setdefault(name, self.clock() + FINISH_GRACE)
                 elif ended.kind == "failed":
                     self._set_status(name, JobStatus(
                         "failed", ended.code, f"{ended.worker_id} on {self.node.name} exited "

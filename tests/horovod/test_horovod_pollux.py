@@ -95,7 +95,8 @@ def test_pollux_run_drives_horovod_elastic_2_3_1(tmp_path):
         proc = subprocess.Popen(argv, cwd=tmp_path, stdout=out_f, stderr=subprocess.STDOUT)
         try:
             first = wait_for(proc, "the coordinator's first allocation",
-                             lambda: read(store, "allocation", Allocation))
+                             lambda: (a := read(store, "allocation", Allocation))
+                             and a.num_replicas and a)
             wait_for(proc, "training", lambda: steps_at(log_dir, first.num_replicas, 3))
             phases = {}
             for version, size in enumerate((2, 3, 1), start=first.version + 1):
