@@ -476,9 +476,19 @@ def _horovod_side(args: argparse.Namespace, url: str) -> dict:
     return measure(repeats=args.repeats, high=4, low=2)
 
 
+def _deepspeed_side(args: argparse.Namespace, url: str) -> dict:
+    """DeepSpeed engines (ZeRO-2) rebuilt live through the same rendezvous and store
+    (benchmarks/deepspeed_rebuild.py: 2 -> 3 -> 2 cycles of a ~1M-parameter model)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from deepspeed_rebuild import measure
+
+    return measure(url, repeats=args.repeats, stage=2)
+
+
 # framework -> f(args, native store URL) returning {"<framework>_down_pause_s",
-# "<framework>_up_pause_s", ...}; a "deepspeed" entry (deepspeed_rebuild.measure) fits here.
-SIDES: dict[str, Callable[[argparse.Namespace, str], dict]] = {"horovod": _horovod_side}
+# "<framework>_up_pause_s", ...}
+SIDES: dict[str, Callable[[argparse.Namespace, str], dict]] = {
+    "horovod": _horovod_side, "deepspeed": _deepspeed_side}
 
 
 def side_by_side(native: dict, framework: str, other: dict) -> str:
@@ -533,10 +543,17 @@ def main(argv: list[str] | None = None) -> int:
                 etcd.stop()
         if side is not None:
             try:
+                if etcd:  # the native run stopped its etcd: the other side gets its own
+                    (Path(tmp) / "side").mkdir()
+                    etcd = LocalEtcd(Path(tmp) / "side")
+                    url = etcd.url
                 other = side(args, url)
             except (RuntimeError, ValueError) as exc:
                 print(f"rescale: {args.framework}: {exc}", file=sys.stderr)
                 return 1
+            finally:
+                if etcd:
+                    etcd.stop()
             print(side_by_side(result, args.framework, other), flush=True)
             result = {**other, **{f"native_{k}": v for k, v in result.items()
                                   if k not in ("framework", "repeats", "store")},

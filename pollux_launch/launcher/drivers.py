@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
-from ..messages import Allocation, JobSpec, NodeInfo
+from .. import keys
+from ..messages import Allocation, JobSpec, MessageError, NodeInfo, decode
 from ..rendezvous.store import Store
 from .workers import ExitKind, WorkerGroup, classify_exit
 
@@ -139,10 +141,37 @@ class ReplicaDriver(JobDriver):
     def reconcile(self, alloc: Allocation | None) -> None:
         import uuid
 
-        for _ in range(self._want(alloc) - len(self.group.alive())):
+        running = len(self.group.alive())
+        for local_rank in range(running, self._want(alloc)):
             worker_id = f"{self.ctx.node.name}-{uuid.uuid4().hex[:8]}"
             self.group.start(worker_id, {**self.ctx.job_env(self.spec.name),
+                                         **self._torch_env(alloc, local_rank),
                                          ENV_WORKER_ID: worker_id})
+
+    def _torch_env(self, alloc: Allocation | None, local_rank: int) -> dict[str, str]:
+        """torchrun's variables for the allocation a worker starts in, so that a script
+        using plain ``init_process_group("env://")`` runs as under torchrun. Adapted
+        scripts re-read them from each rendezvous round (``adapters.torch.job``)."""
+        if alloc is None:
+            return {}
+        me = self.ctx.node.name
+        nodes = list(dict.fromkeys(alloc.nodes))  # in allocation order
+        before = sum(alloc.nodes.count(n) for n in nodes[: nodes.index(me)])
+        master = self.ctx.node.address
+        if nodes[0] != me:
+            kv = self.ctx.store.get(keys.node(nodes[0]))
+            try:
+                master = decode(NodeInfo, kv.value).address if kv else master
+            except MessageError:
+                pass
+        return {
+            "RANK": str(before + local_rank), "WORLD_SIZE": str(alloc.num_replicas),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(alloc.nodes.count(me)),
+            "MASTER_ADDR": master,
+            # one port per job and allocation version, the same on every node
+            "MASTER_PORT": str(20000 + zlib.crc32(f"{self.spec.name}/{alloc.version}".encode())
+                               % 20000),
+        }
 
     def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
         ended = self.group.reap()

@@ -87,3 +87,17 @@ def test_status_shows_nodes_and_jobs(tmp_path, store_url):
         assert os.uname().nodename in text
     finally:
         assert proc.wait(timeout=60) == 0
+
+
+def test_plain_torch_script_gets_torchrun_environment(tmp_path, store_url):
+    """An unadapted script using init_process_group("env://") runs as under torchrun."""
+    (tmp_path / "static.py").write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.tensor([dist.get_rank() + 1.0]); dist.all_reduce(t)\n"
+        "print('rank', os.environ['RANK'], os.environ['LOCAL_RANK'], 'sum', t.item(),\n"
+        "      flush=True)\n")
+    out = run(["--store", store_url, "-np", "2", PYTHON, "static.py"], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(line.split(":", 1)[1] for line in out.stdout.splitlines()
+                  if "<stdout>:rank" in line) == ["rank 0 0 sum 3.0", "rank 1 1 sum 3.0"]
