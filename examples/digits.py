@@ -58,9 +58,11 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=256,
                         help="largest total batch the agent may choose (= M0: fixed batch)")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--hidden", type=int, default=128,
+                        help="hidden width (1024: ~1.1M parameters, slow enough to watch)")
     parser.add_argument("--target", type=float, default=None,
                         help="stop once validation accuracy reaches this")
-    parser.add_argument("--report-interval", type=float, default=10.0)
+    parser.add_argument("--report-interval", type=float, default=5.0)
     parser.add_argument("--step-delay", type=float, default=0.0,
                         help="extra seconds per step (makes a tiny job long enough to watch)")
     args = parser.parse_args()
@@ -70,7 +72,7 @@ def main() -> None:
     torch.manual_seed(0)
     job = pollux.init()
     train_set, val_set = datasets()
-    model = make_model()
+    model = make_model(args.hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = pollux.AdaptiveDataLoader(train_set, batch_size=args.batch_size,
                                        max_batch_size=args.max_batch_size,

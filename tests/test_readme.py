@@ -1,7 +1,7 @@
 """The README's main command works from a clean clone (CI itself runs the test command).
 
 The command is read from the README, so the test and the documentation cannot drift.
-Only the training length is shortened (``--epochs 100`` -> ``--epochs 4``).
+Only the training length is shortened (``--epochs 200`` -> ``--epochs 4``).
 """
 
 import re
@@ -27,12 +27,12 @@ def test_readme_names_exactly_two_commands_and_ci_runs_the_second():
 
 def test_main_command_from_a_clean_clone(tmp_path):
     main = readme_commands()[0]
-    assert "--epochs 100" in main
+    assert "--epochs 200" in main
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     # the clone holds what is committed; the command must not need anything else
     assert not (clone / ".venv").exists()
-    out = subprocess.run(main.replace("--epochs 100", "--epochs 4"), shell=True, cwd=clone,
+    out = subprocess.run(main.replace("--epochs 200", "--epochs 4"), shell=True, cwd=clone,
                          capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     assert "final val_acc" in out.stdout and "succeeded, exit code 0" in out.stdout
