@@ -34,20 +34,18 @@ import argparse
 import json
 import os
 import queue
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-ETCD = shutil.which("etcd") or "/usr/bin/etcd"
+from local_etcd import LocalEtcd  # benchmarks/local_etcd.py, beside this script
+
 JOB = "bench"
 
 
@@ -186,75 +184,6 @@ WORKERS = {"native": NativeWorker}
 # ======================================================================================
 # driver side
 # ======================================================================================
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalEtcd:
-    """A throw-away single-member etcd on loopback (random ports, temp data dir)."""
-
-    def __init__(self, folder: Path) -> None:
-        if not os.access(ETCD, os.X_OK):
-            sys.exit(
-                f"error: etcd not found at {ETCD}; install Debian's etcd-server or use "
-                "--store embedded"
-            )
-        self.folder = folder
-        self.client, self.peer = _free_port(), _free_port()
-        client, peer = f"http://127.0.0.1:{self.client}", f"http://127.0.0.1:{self.peer}"
-        cmd = [
-            ETCD,
-            "--name",
-            "bench",
-            "--data-dir",
-            str(folder / "etcd"),
-            "--listen-client-urls",
-            client,
-            "--advertise-client-urls",
-            client,
-            "--listen-peer-urls",
-            peer,
-            "--initial-advertise-peer-urls",
-            peer,
-            "--initial-cluster",
-            f"bench={peer}",
-            "--heartbeat-interval",
-            "50",
-            "--election-timeout",
-            "500",
-            "--log-level",
-            "warn",
-            "--logger",
-            "zap",
-            "--log-outputs",
-            "stderr",
-        ]
-        log = open(folder / "etcd.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
-                    if b'"true"' in r.read():
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        sys.exit(f"error: etcd did not become healthy; see {folder / 'etcd.log'}")
-
-    @property
-    def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
 
 
 class Cluster:

@@ -14,75 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
-import urllib.request
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
+from local_etcd import LocalEtcd  # benchmarks/local_etcd.py, beside this script
 from tqdm import tqdm
 
 from pollux_launch.rendezvous.store import open_store
 
 WAKES = 40
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def temporary_etcd():
-    etcd = shutil.which("etcd") or "/usr/bin/etcd"
-    with tempfile.TemporaryDirectory(prefix="pollux-bench-etcd-") as tmp:
-        client, peer = f"http://127.0.0.1:{_port()}", f"http://127.0.0.1:{_port()}"
-        proc = subprocess.Popen(
-            [
-                etcd,
-                "--name",
-                "bench",
-                "--data-dir",
-                f"{tmp}/data",
-                "--listen-client-urls",
-                client,
-                "--advertise-client-urls",
-                client,
-                "--listen-peer-urls",
-                peer,
-                "--initial-advertise-peer-urls",
-                peer,
-                "--initial-cluster",
-                f"bench={peer}",
-                "--heartbeat-interval",
-                "50",
-                "--election-timeout",
-                "500",
-                "--log-level",
-                "error",
-                "--logger",
-                "zap",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            for _ in range(400):
-                try:
-                    with urllib.request.urlopen(f"{client}/health", timeout=1):
-                        break
-                except OSError:
-                    time.sleep(0.05)
-            yield "etcd://" + client.split("//")[1]
-        finally:
-            proc.terminate()
-            proc.wait()
 
 
 def _ms(samples: list[float]) -> float:
@@ -174,8 +117,8 @@ def main() -> None:
                 elif args.etcd_url:
                     figures[name] = measure(args.etcd_url, bar)
                 else:
-                    with temporary_etcd() as url:
-                        figures[name] = measure(url, bar)
+                    with LocalEtcd.temporary() as etcd:
+                        figures[name] = measure(etcd.url, bar)
             print(f"{name:9s} " + "  ".join(f"{k}={v}" for k, v in figures[name].items()))
     print(json.dumps(figures))
 
