@@ -2,11 +2,14 @@
 
     python benchmarks/deepspeed_rebuild.py [--stages 2,0] [--repeats 3]
 
-Real worker processes train a ~1M-parameter MLP (Adam) with
+Real worker processes train a ~1M-parameter MLP (``--optimizer``: ``sgd``, SGD with
+momentum 0.9 as in ``benchmarks/rescale.py``'s native workers, so that both sides move the
+same state; or ``adam``, a third more state per parameter) with
 ``pollux_launch.adapters.deepspeed.initialize`` under the job environment pollux-run gives
 them (``POLLUX_STORE``, ``POLLUX_JOB``...; embedded store, gloo on loopback). The driver
 plays the coordinator: it writes the job's allocation and starts the workers. Per ZeRO
-stage the job starts on 2 workers and goes 2 -> 3 -> 2 ``--repeats`` times; each newcomer
+stage the job starts on ``--low`` workers and goes low -> high -> low (default 2 -> 4 -> 2,
+the native adapter's cycle in ``benchmarks/rescale.py``) ``--repeats`` times; each newcomer
 is started beforehand (prewarmed: DeepSpeed imported, registered with the rendezvous,
 waiting in ``next_round``), the leaver exits 0.
 
@@ -60,8 +63,12 @@ def worker(stage: int) -> int:
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
                                 torch.nn.Linear(1024, 512), torch.nn.ReLU(),
                                 torch.nn.Linear(512, 256))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if os.environ.get("BENCH_OPTIMIZER", "sgd") == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     cfg = {"zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+           "zero_allow_untested_optimizer": True,  # torch SGD under ZeRO-1/2
            "pollux": {"enabled": True, "initial_batch_size": 32,
                       "micro_batch_size_range": [4, 32], "lr_scaling": "none"}}
     engine, _, _, _ = pds.initialize(model=model, optimizer=opt, config=cfg)
@@ -94,11 +101,11 @@ def worker(stage: int) -> int:
 class _Job:
     """The driver's view: worker processes, their JSON events, the allocation."""
 
-    def __init__(self, store_url: str, stage: int) -> None:
+    def __init__(self, store_url: str, stage: int, optimizer: str = "sgd") -> None:
         from pollux_launch.rendezvous.rounds import JobKeys
         from pollux_launch.rendezvous.store import open_store
 
-        self.url, self.stage = store_url, stage
+        self.url, self.stage, self.optimizer = store_url, stage, optimizer
         self.store = open_store(store_url)
         self.name = f"{JOB}-zero{stage}"
         self.keys = JobKeys(self.name)
@@ -121,6 +128,7 @@ class _Job:
         wid = f"ds{self.stage}-w{self.next_id}"
         self.next_id += 1
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu",
+               "BENCH_OPTIMIZER": self.optimizer,
                "OMP_NUM_THREADS": "1", "POLLUX_STORE": self.url, "POLLUX_JOB": self.name,
                "POLLUX_NODE": "local", "POLLUX_WORKER_ID": wid, "POLLUX_ADDR": "127.0.0.1"}
         with open(self.log_dir / f"{wid}.log", "w") as err:
@@ -190,50 +198,52 @@ class _Job:
         self.store.close()
 
 
-def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = True
-            ) -> dict[str, Any]:
-    """Median pauses of DeepSpeed survivors over ``repeats`` 2 -> 3 -> 2 cycles (module
+def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = True,
+            high: int = 4, low: int = 2, optimizer: str = "sgd") -> dict[str, Any]:
+    """Median pauses of DeepSpeed survivors over ``repeats`` low -> high -> low cycles (module
     docstring) on the store at ``store_url`` (e.g. ``embedded:///tmp/x/store.db``; the job
     is named ``bench-deepspeed-zero<stage>``). Returns ``{"deepspeed_down_pause_s",
     "deepspeed_up_pause_s", ...}``; raises RuntimeError if a worker fails or a phase times
     out."""
     from tqdm import tqdm
 
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    job = _Job(store_url, stage)
+    if repeats < 1 or not 1 <= low < high:
+        raise ValueError(f"need repeats >= 1 and 1 <= low < high, got {repeats}, {low}, {high}")
+    if optimizer not in ("sgd", "adam"):
+        raise ValueError(f"optimizer must be sgd or adam, got {optimizer!r}")
+    job = _Job(store_url, stage, optimizer)
     up: list[dict] = []
     down: list[dict] = []
     try:
         with tqdm(total=1 + 2 * repeats, desc=f"deepspeed ZeRO-{stage} rescale",
                   unit="phase", file=sys.stderr, disable=not progress) as bar:
-            job.allocate(2)
-            for _ in range(2):
+            job.allocate(low)
+            for _ in range(low):
                 job.spawn()
-            rnd = job.round(2, None)
-            job.wait(2, event="step")
+            rnd = job.round(low, None)
+            job.wait(low, event="step")
             bar.update()
             for _ in range(repeats):
-                newcomer = job.spawn()
-                job.wait(1, event="ready", worker=newcomer)
+                for _ in range(high - low):
+                    job.wait(1, event="ready", worker=job.spawn())
                 deadline = time.monotonic() + 120
-                while job.registered() < 3 and time.monotonic() < deadline:
+                while job.registered() < high and time.monotonic() < deadline:
                     time.sleep(0.05)  # prewarmed: registered, waiting in next_round
                 time.sleep(0.5)
-                job.wait(2, event="step")
-                job.allocate(3)
-                grown = job.round(3, rnd)
+                job.wait(low, event="step")
+                job.allocate(high)
+                grown = job.round(high, rnd)
                 up += [grown[w] for w in rnd]
-                job.wait(3, event="step")
+                job.wait(high, event="step")
                 bar.update()
-                job.allocate(2)
-                rnd = job.round(2, grown)
+                job.allocate(low)
+                rnd = job.round(low, grown)
                 down += list(rnd.values())
-                leaver = next(w for w in grown if w not in rnd)
-                code = job.procs[leaver].wait(timeout=120)
-                if code != 0:
-                    job.problems.append(f"leaver {leaver} exited {code}")
-                job.wait(2, event="step")
+                for leaver in (w for w in grown if w not in rnd):
+                    code = job.procs[leaver].wait(timeout=120)
+                    if code != 0:
+                        job.problems.append(f"leaver {leaver} exited {code}")
+                job.wait(low, event="step")
                 bar.update()
             job.allocate(0)  # the end: everyone leaves with exit 0
             for wid in rnd:
@@ -250,6 +260,7 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
         "deepspeed_down_pause_s": med(down, "pause_s"),
         "deepspeed_up_pause_s": med(up, "pause_s"),
         "zero_stage": stage,
+        "optimizer": optimizer,
         "pids_kept": not job.problems,
         "repeats": repeats,
     }
@@ -268,7 +279,11 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", default="2,0", help="ZeRO stages, comma separated")
-    parser.add_argument("--repeats", type=int, default=3, help="2->3->2 cycles per stage")
+    parser.add_argument("--repeats", type=int, default=3, help="low->high->low cycles per stage")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                        help="sgd (momentum, like the native workers) or adam")
+    parser.add_argument("--low", type=int, default=2, help="workers before a grow (default 2)")
+    parser.add_argument("--high", type=int, default=4, help="workers after a grow (default 4)")
     parser.add_argument("--store", default=None,
                         help="store URL (default: an embedded store in a temp dir)")
     parser.add_argument("--worker", type=int, metavar="STAGE", help=argparse.SUPPRESS)
@@ -281,11 +296,14 @@ def main() -> None:
         parser.error(f"--stages must be comma-separated integers, got {opts.stages!r}")
     if opts.repeats < 1 or any(s not in (0, 1, 2) for s in stages):
         parser.error("--repeats must be >= 1 and --stages among 0, 1, 2")
+    if not 1 <= opts.low < opts.high:
+        parser.error("need 1 <= --low < --high")
     results: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="ds-rescale-") as tmp:
         for stage in stages:
             url = opts.store or f"embedded://{Path(tmp)}/store{stage}.db"
-            results[stage] = measure(url, opts.repeats, stage)
+            results[stage] = measure(url, opts.repeats, stage, high=opts.high, low=opts.low,
+                                     optimizer=opts.optimizer)
             r = results[stage]
             print(f"ZeRO-{stage}: down {r['deepspeed_down_pause_s']:.3f} s, up "
                   f"{r['deepspeed_up_pause_s']:.3f} s (median over survivors and repeats)",

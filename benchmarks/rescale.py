@@ -407,11 +407,12 @@ def _horovod_side(args: argparse.Namespace, url: str) -> dict:
 
 def _deepspeed_side(args: argparse.Namespace, url: str) -> dict:
     """DeepSpeed engines (ZeRO-2) rebuilt live through the same rendezvous and store
-    (benchmarks/deepspeed_rebuild.py: 2 -> 3 -> 2 cycles of a ~1M-parameter model)."""
+    (benchmarks/deepspeed_rebuild.py: the same 4 -> 2 -> 4 cycles, ~1M-parameter model and
+    SGD-with-momentum optimizer, so both sides move the same state)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from deepspeed_rebuild import measure
 
-    return measure(url, repeats=args.repeats, stage=2)
+    return measure(url, repeats=args.repeats, stage=2, high=4, low=2)
 
 
 # framework -> f(args, native store URL) returning {"<framework>_down_pause_s",

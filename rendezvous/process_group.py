@@ -172,6 +172,41 @@ def broadcast_state(obj: Any = None, src: int = 0, device: str | torch.device | 
     return obj if me == src else _rebuild(skeleton, out)  # type: ignore[arg-type]
 
 
+def send_state(obj: Any, dst: int, group: Any = None) -> None:
+    """Send ``obj`` (as for :func:`broadcast_state`) to rank ``dst`` alone, which calls
+    :func:`recv_state`: two messages for the skeleton plus one per tensor dtype. CPU
+    tensors (gloo point to point)."""
+    tensors: list[torch.Tensor] = []
+    header = torch.frombuffer(bytearray(json.dumps(_skeleton(obj, tensors)).encode()),
+                              dtype=torch.uint8)
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64), dst, group=group)
+    dist.send(header, dst, group=group)
+    for dtype_name in sorted({str(t.dtype).removeprefix("torch.") for t in tensors}):
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors
+                          if str(t.dtype).removeprefix("torch.") == dtype_name])
+        dist.send(flat, dst, group=group)
+
+
+def recv_state(src: int, group: Any = None) -> Any:
+    """Receive what rank ``src`` sent with :func:`send_state`."""
+    length = torch.zeros(1, dtype=torch.int64)
+    dist.recv(length, src, group=group)
+    header = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.recv(header, src, group=group)
+    skeleton = json.loads(bytes(header.numpy()).decode())
+    specs: list[tuple[str, list[int]]] = []
+    _specs(skeleton, specs)
+    out: list[torch.Tensor | None] = [None] * len(specs)
+    for dtype_name in sorted({d for d, _ in specs}):
+        idx = [i for i, (d, _) in enumerate(specs) if d == dtype_name]
+        sizes = [_numel(specs[i][1]) for i in idx]
+        flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype_name))
+        dist.recv(flat, src, group=group)
+        for i, part in zip(idx, torch.split(flat, sizes), strict=True):
+            out[i] = part.view(specs[i][1])
+    return _rebuild(skeleton, out)  # type: ignore[arg-type]
+
+
 def _numel(shape: list[int]) -> int:
     n = 1
     for s in shape:

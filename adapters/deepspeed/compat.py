@@ -11,7 +11,9 @@ What is touched and why:
   data-parallel / world group clones in module globals; after the default process group
   is destroyed and re-formed with another size, they point to dead groups.
   ``deepspeed.comm.destroy_process_group`` would call it, but the rendezvous tears the group
-  down through ``torch.distributed`` directly.
+  down through ``torch.distributed`` directly. ``groups._WORLD_GROUP`` is then set to the
+  default group, which saves a group creation per rebuild.
+* ``deepspeed.comm.torch.build_shm_op`` - loaded early by :func:`prewarm`.
 * The engine's module hooks (``module_forward_pre_hook``, ``module_forward_post_hook``,
   ``first_dataloader_check``) - ``engine.destroy()`` leaves them on the user's module, and
   the module is reused by the rebuilt engine.
@@ -20,6 +22,7 @@ What is touched and why:
   ``parallel_partitioned_bit16_groups``, ``real_dp_process_group`` - to gather each
   replica's partition of the fp32 master weights and optimizer state into per-parameter
   tensors, and to cut them again for a new data-parallel size.
+* That building an engine broadcasts its module's parameters from rank 0 (stages 0-2).
 * Engine counters ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``.
 * ``_is_gradient_accumulation_boundary`` - cleared after a step whose boundary was forced
   with the public ``set_gradient_accumulation_boundary`` (which cannot reset it to "use
@@ -54,10 +57,20 @@ def check_version() -> None:
 
 
 def release_group_caches() -> None:
-    """Forget DeepSpeed's cached process groups (call once the default group is gone)."""
+    """Forget DeepSpeed's cached process groups (call once the default group is gone), and
+    let the new engine use the default group itself as its "world clone".
+
+    DeepSpeed clones the world group (``groups._clone_world_group``: a ``new_group`` - a
+    full gloo/nccl connection set-up, ~20 ms on loopback, inside every rebuild) only
+    because ``torch.distributed.get_global_rank`` did not accept ``group.WORLD`` in old
+    torch releases; torch >= 2.0 returns the identity there.
+    """
+    import torch.distributed as dist
     from deepspeed.utils import groups
 
     groups._release_process_group_references(None)
+    if dist.is_initialized():
+        groups._WORLD_GROUP = dist.group.WORLD
 
 
 def detach_engine(engine: Any) -> None:
@@ -73,6 +86,14 @@ def detach_engine(engine: Any) -> None:
                 handle.remove()
                 setattr(engine, name, None)
         engine.__dict__.pop("_deepspeed_pollux_state", None)
+
+
+def engine_broadcasts_module(engine: Any) -> bool:
+    """Whether building ``engine`` broadcast the module's parameters from rank 0 of its
+    data-parallel group (``DeepSpeedEngine._configure_distributed_model`` ->
+    ``_broadcast_model``, for every model not built under ZeRO-3's ``zero.Init``), so
+    that a newcomer need not be sent them."""
+    return engine.zero_optimization_stage() in (0, 1, 2)
 
 
 def get_counters(engine: Any) -> dict[str, int]:
@@ -194,3 +215,8 @@ def prewarm() -> None:
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     except ImportError:
         pass
+    # ``deepspeed.init_distributed`` loads the CPU accelerator's shared-memory op (a JIT
+    # extension: ~0.1 s even when cached); OpBuilder keeps loaded ops, so load it now.
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()

@@ -109,6 +109,7 @@ class ElasticDeepSpeed:
         self._waiting_since: float | None = None
         self._ready_checked = (-1.0, False)
         self._open_rescale: dict[str, Any] | None = None
+        self._report_pending = False
         handle.driver = self
         restored = handle.restored_state
         if restored is not None and restored.get("client", {}).get("elastic"):
@@ -143,6 +144,10 @@ class ElasticDeepSpeed:
         if self._open_rescale is not None:  # the first step after a rescale is done
             self._open_rescale["pause_to_step_s"] = now - self._open_rescale["t0"]
             self._open_rescale = None
+        if self._report_pending:
+            self._report_pending = False
+            micro, gas = self.handle.batch
+            self._report(micro, gas - 1, force=True)
         if not self.keep_state:
             self.handle.restored_state = None
         try:
@@ -268,10 +273,14 @@ class ElasticDeepSpeed:
         micro, gas = handle.batch
         decision = torch.zeros(4, dtype=torch.float64)
         if p.rank == 0:
-            m, s = self.agent.choose(p.num_nodes, p.world_size, None if force else (micro, gas - 1))
+            current = None if force else (micro, gas - 1)
+            m, s = self.agent.choose(p.num_nodes, p.world_size, current, refit=not force)
             decision[:] = torch.tensor([m, s, self._check_interval(),
                                         self._lr_factor(p.world_size * m * (s + 1))])
-            self._report(m, s, force)
+            if force:  # a new round: report after its first step, not inside the pause
+                self._report_pending = True
+            else:
+                self._report(m, s, force=False)
         if p.world_size > 1:
             dist.broadcast(decision, 0)
         m, s, check = (int(v) for v in decision[:3])

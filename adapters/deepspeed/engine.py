@@ -150,11 +150,14 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
 
     from .elastic import ElasticDeepSpeed
 
+    data = kwargs.pop("training_data", None)
+    kwargs["training_data"] = None
+    recipe = _Recipe.record(kwargs, ds_config)
     compat.prewarm()  # before announcing ourselves: survivors may wait for us
+    _rehearse(recipe, pollux)
     job = join_job()  # forms this round's process group (and exports RANK, WORLD_SIZE...)
     deepspeed.init_distributed(dist_init_required=False)  # adopt it
     loader = None
-    data = kwargs.pop("training_data", None)
     if data is not None:
         p = job.placement
         loader = AdaptiveDataLoader(
@@ -162,12 +165,35 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
             local_bsz_bounds=pollux.micro_batch_size_range,
             gradient_accumulation=pollux.gradient_accumulation, rank=p.rank,
             num_replicas=p.world_size, collate_fn=kwargs.get("collate_fn"))
-    kwargs["training_data"] = None
     micro, steps = pollux.initial_micro_batch(_world_size())
-    handle = PolluxEngine(_Recipe.record(kwargs, ds_config), pollux, micro, steps)
+    handle = PolluxEngine(recipe, pollux, micro, steps)
     handle.loader = loader
     ElasticDeepSpeed(handle, job, loader)
     return handle, handle.live("optimizer"), loader, handle.live("lr_scheduler")
+
+
+def _rehearse(recipe: _Recipe, pollux: PolluxConfig) -> None:
+    """Build and drop one engine on a private one-process group before joining the job.
+
+    A process's first engine build pays one-time costs (lazy imports, DeepSpeed's config
+    classes, first allocations) that later builds do not; a newcomer to a running job
+    would pay them inside the collectives of its first build, while the survivors wait
+    (about half of a grow's pause). Skipped if a process group already exists.
+    """
+    if dist.is_initialized():
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    missing = [k for k in ("LOCAL_RANK",) if k not in os.environ]  # DeepSpeed asserts it
+    os.environ.update({k: "0" for k in missing})
+    try:
+        compat.release_group_caches()
+        micro, steps = pollux.initial_micro_batch(1)
+        detach(recipe.build(1, micro, steps)[0])
+    finally:
+        for k in missing:
+            del os.environ[k]
+        dist.destroy_process_group()
+        compat.release_group_caches()
 
 
 @dataclass

@@ -8,21 +8,24 @@ without restarting, the adapter:
    state into a **consolidated**, world-size-independent form keyed by parameter name
    (module state dict, fp32 master weights, per-parameter optimizer state, parameter-group
    hyper-parameters, LR scheduler, loss scaler, engine step counters, client state).
-   ZeRO-1/2 partitions are all-gathered (one collective per tensor kind and group), so
-   every old replica ends up with the whole state.
+   ZeRO-1/2 partitions are all-gathered (one collective per parameter group and dtype),
+   so every old replica ends up with the whole state; the fp32 master weights are left
+   out when they equal the module's parameters (fp32 training).
 2. :func:`detach` - release the old engine (hooks off the user's module).
 3. the rendezvous destroys the process group and forms the new one (not this module);
 4. :func:`rebuild` / :func:`restore` - on the *new* group, every new replica together:
-   build a new engine, then restore: if some replica (a newcomer) lacks the state, it is
-   broadcast from the lowest rank that has it (one JSON skeleton + one flat buffer per
-   dtype, no pickle); each replica then cuts its own partition for the new size.
+   build a new engine, then restore: replicas without the state (newcomers) receive, point
+   to point from a survivor, what they need - the state's light part (a JSON skeleton and
+   one flat buffer per dtype, no pickle) and only their own partitions of the optimizer
+   state (:func:`_share`); each survivor cuts its own partitions for the new size.
 
 The consolidated state is plain nested dicts/lists of tensors and numbers, the format of
-``pollux_launch.rendezvous.process_group.broadcast_state``::
+``pollux_launch.rendezvous.process_group.send_state`` and ``broadcast_state``::
 
     {"format": 1, "zero_stage": 2,
      "module": {name: tensor},                 # module.state_dict(): params and buffers
-     "master": {name: fp32 tensor},            # full fp32 master weights (ZeRO-1/2)
+     "master": {name: fp32 tensor} | None,     # fp32 master weights (ZeRO-1/2), None
+                                               # when equal to the module's parameters
      "optimizer": {"param_groups": [{hyper-parameters..., "param_names": [...]}],
                    "state": {param name: {"exp_avg": tensor, "step": tensor, ...}}},
      "lr_scheduler": {...} | None, "loss_scaler": {...} | None,
@@ -35,17 +38,19 @@ The same format comes out of every ZeRO stage, so states can be compared across 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pollux_launch.rendezvous.process_group import broadcast_state
+from pollux_launch.rendezvous.process_group import recv_state, send_state
 
 from . import compat
 
 FORMAT = 1
+MASTER = "__master__"  # a newcomer's received master partition, in state["partitions"]
 EngineState = dict[str, Any]
 
 
@@ -92,13 +97,17 @@ def _capture_torch_optimizer(opt: torch.optim.Optimizer, names: dict[int, str]
     return {"param_groups": groups, "state": per_param}
 
 
-def _gather_flat(zg: compat.ZeroGroup, partition: torch.Tensor) -> torch.Tensor:
-    """The whole padded flat buffer from every replica's partition (one all-gather)."""
+def _gather_flats(zg: compat.ZeroGroup, partitions: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole padded flat buffers of several same-dtype tensor kinds (master weights,
+    exp_avg, ...) from every replica's partitions, in one all-gather."""
     if len(set(zg.partition_sizes)) != 1:
         raise RuntimeError("unequal ZeRO partitions: not produced by DeepSpeed 0.19.8")
-    parts = [torch.empty_like(partition) for _ in range(zg.world)]
-    dist.all_gather(parts, partition.contiguous(), group=zg.group)
-    return torch.cat(parts)
+    n, k = partitions[0].numel(), len(partitions)
+    local = torch.cat([t.detach().reshape(-1) for t in partitions])
+    out = torch.empty(zg.world * k * n, dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(out, local, group=zg.group)
+    grid = out.view(zg.world, k, n)
+    return [grid[:, i].reshape(-1) for i in range(k)]
 
 
 def _split_flat(zg: compat.ZeroGroup, flat: torch.Tensor, names: dict[int, str]
@@ -107,24 +116,54 @@ def _split_flat(zg: compat.ZeroGroup, flat: torch.Tensor, names: dict[int, str]
             for p, off in zip(zg.params, zg.offsets, strict=True)}
 
 
-def _capture_zero(engine: Any, names: dict[int, str]) -> tuple[dict, dict]:
+def _master_is_module(engine: Any, zgroups: list[compat.ZeroGroup]) -> bool:
+    """Whether every replica's fp32 master partition equals its module parameters (fp32
+    training: DeepSpeed copies the master into the parameters after every step), so the
+    consolidated state needs no separate master copy. Collective (one 4-byte all-reduce)."""
+    zopt = engine.optimizer
+    same = all(
+        zg.fp32.dtype == zopt.parallel_partitioned_bit16_groups[i][zg.rank].dtype
+        and torch.equal(zg.fp32, zopt.parallel_partitioned_bit16_groups[i][zg.rank])
+        for i, zg in enumerate(zgroups))
+    flag = torch.tensor([int(same)], dtype=torch.int32)
+    if zgroups and zgroups[0].world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=zgroups[0].group)
+    return bool(flag.item())
+
+
+def _capture_zero(engine: Any, names: dict[int, str]) -> tuple[dict | None, dict]:
+    """(master weights or None when they equal the module's, optimizer state); one
+    all-gather per parameter group and dtype."""
     basic = compat.basic_optimizer(engine)
+    zgroups = list(compat.zero_groups(engine))
+    keep_master = not _master_is_module(engine, zgroups)
     master: dict[str, torch.Tensor] = {}
     groups, per_param = [], {}
-    for zg, group in zip(compat.zero_groups(engine), basic.param_groups, strict=True):
-        master.update(_split_flat(zg, _gather_flat(zg, zg.fp32.detach()), names))
+    for zg, group in zip(zgroups, basic.param_groups, strict=True):
         gnames = [names[id(p)] for p in zg.params]
         groups.append({**_hyper(group), "param_names": gnames})
         pstates: dict[str, dict[str, Any]] = {n: {} for n in gnames}
+        flat_kinds: dict[torch.dtype, list[tuple[str | None, torch.Tensor]]] = {}
+        if keep_master:
+            flat_kinds.setdefault(zg.fp32.dtype, []).append((None, zg.fp32))
         for key, value in basic.state.get(zg.fp32, {}).items():
             if torch.is_tensor(value) and value.shape == zg.fp32.shape:
-                for n, t in _split_flat(zg, _gather_flat(zg, value.detach()), names).items():
-                    pstates[n][key] = t
+                flat_kinds.setdefault(value.dtype, []).append((key, value))
             else:  # shared by the whole group (e.g. Adam's step): same on every replica
                 for n in gnames:
                     pstates[n][key] = value.detach().clone() if torch.is_tensor(value) else value
+        for dtype in sorted(flat_kinds, key=str):  # the same order on every replica
+            kinds = flat_kinds[dtype]
+            flats = _gather_flats(zg, [t for _, t in kinds])
+            for (key, _), flat in zip(kinds, flats, strict=True):
+                split = _split_flat(zg, flat, names)
+                if key is None:
+                    master.update(split)
+                else:
+                    for n, t in split.items():
+                        pstates[n][key] = t
         per_param.update(pstates)
-    return master, {"param_groups": groups, "state": per_param}
+    return (master if keep_master else None), {"param_groups": groups, "state": per_param}
 
 
 def _loss_scaler_state(engine: Any) -> dict[str, Any] | None:
@@ -157,29 +196,29 @@ def rebuild(build: Callable[[], Any], state: EngineState | None) -> Any:
     return built
 
 
-def _source_rank(have: bool) -> tuple[int | None, bool]:
-    """(lowest rank holding the state or None, whether every rank holds it)."""
-    world = dist.get_world_size()
-    flags = torch.zeros(world, dtype=torch.int32)
+def _holders(have: bool) -> list[int]:
+    """The ranks that hold a state (one small all-reduce)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
     flags[dist.get_rank()] = int(have)
     dist.all_reduce(flags)
-    holders = flags.nonzero().flatten().tolist()
-    return (holders[0] if holders else None), len(holders) == world
+    return flags.nonzero().flatten().tolist()
 
 
 def restore(engine: Any, state: EngineState | None) -> EngineState | None:
     """Load a consolidated state into ``engine`` (built for the current world size).
 
     Collective: every rank calls it, with its state or ``None``. If nobody has a state
-    (a fresh start) nothing happens and ``None`` is returned; otherwise the state is
-    broadcast to the ranks without one, loaded everywhere and returned.
+    (a fresh start) nothing happens and ``None`` is returned. Otherwise ranks without one
+    (newcomers) receive what they need (:func:`_share`), every rank loads it, and the
+    state is returned - a newcomer's at ZeRO-1/2 with ``"partial": True`` (its own
+    partitions of the optimizer state only).
     """
     if dist.is_initialized() and dist.get_world_size() > 1:
-        src, everyone = _source_rank(state is not None)
-        if src is None:
+        holders = _holders(state is not None)
+        if not holders:
             return None
-        if not everyone:
-            state = broadcast_state(state if dist.get_rank() == src else None, src=src)
+        if len(holders) < dist.get_world_size():
+            state = _share(engine, state, holders)
     if state is None:
         return None
     if state.get("format") != FORMAT:
@@ -200,6 +239,143 @@ def restore(engine: Any, state: EngineState | None) -> EngineState | None:
     compat.set_counters(engine, state["counters"])
     compat.align_micro_steps(engine)
     return state
+
+
+# -- sending the state to newcomers -----------------------------------------------------
+
+def _share(engine: Any, state: EngineState | None, holders: list[int]) -> EngineState:
+    """Give every rank without a state what it needs to load one (collective).
+
+    Rather than broadcasting the whole consolidated state to every rank (survivors
+    already hold it), each newcomer receives from one holder, point to point: the state's
+    *light* part (everything but the parameter-shaped tensors: buffers, counters,
+    hyper-parameters, scheduler, client) and the parameter-shaped optimizer tensors it
+    needs - at ZeRO-1/2 only its own partitions, at ZeRO-0 all of them. The module's
+    parameters are already rank 0's everywhere: a DeepSpeed engine broadcasts them when it
+    is built (``compat.engine_broadcasts_module``).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage = compat.check_supported(engine)
+    params = dict(engine.module.named_parameters())
+    module_synced = holders[0] == 0 and compat.engine_broadcasts_module(engine)
+    newcomers = [r for r in range(world) if r not in set(holders)]
+    zgroups = list(compat.zero_groups(engine)) if stage else []
+    light = _light(state, params, module_synced) if state is not None else None
+    for i, r in enumerate(newcomers):
+        sender = holders[i % len(holders)]  # spread the sending over the holders
+        if rank == sender:
+            send_state(light, r)
+            for flat in _by_dtype(_heavy_tensors(state, light, zgroups, params, r, stage)):
+                dist.send(flat, r)
+        elif rank == r:
+            state = recv_state(sender)
+            for name, p in params.items():  # the engine's own, as broadcast when built
+                state["module"].setdefault(name, p.detach().clone())
+            _recv_heavy(state, zgroups, params, sender, stage)
+    assert state is not None
+    return state
+
+
+def _heavy_keys(state: EngineState, names: list[str], shapes: dict[str, torch.Size]
+                ) -> list[str]:
+    """Optimizer-state keys whose tensors have their parameter's shape (e.g. exp_avg)."""
+    first = state["optimizer"]["state"].get(names[0], {}) if names else {}
+    return [k for k, v in first.items()
+            if torch.is_tensor(v) and all(
+                torch.is_tensor(state["optimizer"]["state"][n].get(k))
+                and state["optimizer"]["state"][n][k].shape == shapes[n] for n in names)]
+
+
+def _light(state: EngineState, params: dict[str, torch.nn.Parameter], module_synced: bool
+           ) -> EngineState:
+    """``state`` without its parameter-shaped tensors (the module's parameters too when
+    ``module_synced``); ``"heavy"`` lists, per parameter group, the left-out keys."""
+    shapes = {n: p.shape for n, p in params.items()}
+    light = {k: v for k, v in state.items() if k not in ("module", "master", "optimizer")}
+    light["module"] = {k: v for k, v in state["module"].items()
+                       if not (module_synced and k in params)}
+    if "master" in state:
+        light["master"] = None
+    opt = state["optimizer"]
+    heavy = [_heavy_keys(state, g["param_names"], shapes) for g in opt["param_groups"]]
+    heavy_of = {n: keys for g, keys in zip(opt["param_groups"], heavy, strict=True)
+                for n in g["param_names"]}
+    light["optimizer"] = {"param_groups": opt["param_groups"], "state": {
+        n: {k: v for k, v in entry.items() if k not in heavy_of.get(n, ())}
+        for n, entry in opt["state"].items()}}
+    dtypes = [[str(opt["state"][g["param_names"][0]][k].dtype).removeprefix("torch.")
+               for k in keys] for g, keys in zip(opt["param_groups"], heavy, strict=True)]
+    light["heavy"] = {"keys": heavy, "dtypes": dtypes,
+                      "master": state.get("master") is not None}
+    return light
+
+
+def _heavy_tensors(state: EngineState, light: EngineState, zgroups: list[compat.ZeroGroup],
+                   params: dict[str, torch.nn.Parameter], rank: int, stage: int
+                   ) -> list[torch.Tensor]:
+    """What a newcomer at ``rank`` needs, in a fixed order: per parameter group, the
+    master weights (if the state has them) and each heavy key - cut to ``rank``'s
+    partition at ZeRO-1/2, whole per-parameter tensors at ZeRO-0."""
+    names = {id(p): n for n, p in params.items()}
+    out: list[torch.Tensor] = []
+    heavy = light["heavy"]
+    for gi, (keys, group) in enumerate(zip(heavy["keys"], state["optimizer"]["param_groups"],
+                                          strict=True)):
+        gnames = group["param_names"]
+        per_key = [(k, {n: state["optimizer"]["state"][n][k] for n in gnames}) for k in keys]
+        if stage == 0:
+            out += [t for _, per in per_key for t in per.values()]
+            continue
+        zg = dataclasses.replace(zgroups[gi], rank=rank)  # the newcomer's partition
+        if heavy["master"]:
+            out.append(_cut_partition(zg, state["master"], names, zg.fp32.dtype))
+        out += [_cut_partition(zg, per, names, next(iter(per.values())).dtype)
+                for _, per in per_key]
+    return out
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One flat buffer per dtype (in a fixed order), for one message each."""
+    dtypes = sorted({t.dtype for t in tensors}, key=str)
+    return [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d]) for d in dtypes]
+
+
+def _recv_heavy(state: EngineState, zgroups: list[compat.ZeroGroup],
+                params: dict[str, torch.nn.Parameter], sender: int, stage: int) -> None:
+    """Receive the heavy tensors a holder sends in :func:`_share` into ``state`` (a
+    newcomer's)."""
+    heavy = state.pop("heavy")
+    per_param = state["optimizer"]["state"]
+    # the sender's layout, rebuilt from the light state and the local engine
+    slots: list[tuple[torch.Size, torch.dtype, Callable[[torch.Tensor], None]]] = []
+    partitions: list[dict[str, torch.Tensor]] = []
+    for gi, (keys, dtypes, group) in enumerate(zip(
+            heavy["keys"], heavy["dtypes"], state["optimizer"]["param_groups"], strict=True)):
+        part: dict[str, torch.Tensor] = {}
+        partitions.append(part)
+        if stage == 0:
+            for k, dt in zip(keys, dtypes, strict=True):
+                for n in group["param_names"]:
+                    slots.append((params[n].shape, getattr(torch, dt),
+                                  lambda t, n=n, k=k: per_param[n].__setitem__(k, t)))
+            continue
+        zg = zgroups[gi]
+        size = torch.Size([zg.partition_sizes[zg.rank]])
+        if heavy["master"]:
+            slots.append((size, zg.fp32.dtype, lambda t, part=part: part.__setitem__(MASTER, t)))
+        for k, dt in zip(keys, dtypes, strict=True):
+            slots.append((size, getattr(torch, dt),
+                          lambda t, part=part, k=k: part.__setitem__(k, t)))
+    for dtype in sorted({d for _, d, _ in slots}, key=str):
+        mine = [(shape, put) for shape, d, put in slots if d == dtype]
+        sizes = [shape.numel() for shape, _ in mine]
+        flat = torch.empty(sum(sizes), dtype=dtype)
+        dist.recv(flat, sender)
+        for (shape, put), piece in zip(mine, torch.split(flat, sizes), strict=True):
+            put(piece.view(shape))
+    if stage:
+        state["partitions"] = partitions
+        state["partial"] = True
 
 
 def _check_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]],
@@ -238,6 +414,8 @@ def _cut_partition(zg: compat.ZeroGroup, tensors: dict[str, torch.Tensor],
 
 
 def _restore_zero(engine: Any, state: EngineState) -> None:
+    """Cut this replica's partitions out of the consolidated tensors, or take the ones a
+    newcomer received (``state["partitions"]``, see :func:`_share`)."""
     basic = compat.basic_optimizer(engine)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     zgroups = list(compat.zero_groups(engine))
@@ -245,8 +423,13 @@ def _restore_zero(engine: Any, state: EngineState) -> None:
     _check_groups(basic.param_groups, saved["param_groups"],
                   [[names[id(p)] for p in zg.params] for zg in zgroups])
     master = state.get("master") or {n: t for n, t in state["module"].items()}
-    for zg, group, sg in zip(zgroups, basic.param_groups, saved["param_groups"], strict=True):
-        zg.fp32.data.copy_(_cut_partition(zg, master, names, zg.fp32.dtype))
+    received = state.get("partitions") or [{} for _ in zgroups]
+    for zg, group, sg, got in zip(zgroups, basic.param_groups, saved["param_groups"],
+                                  received, strict=True):
+        if MASTER in got:
+            zg.fp32.data.copy_(got[MASTER])
+        else:
+            zg.fp32.data.copy_(_cut_partition(zg, master, names, zg.fp32.dtype))
         group.update({k: v for k, v in sg.items() if k != "param_names"})
         first = saved["state"].get(sg["param_names"][0], {})
         new_state: dict[str, Any] = {}
@@ -257,4 +440,5 @@ def _restore_zero(engine: Any, state: EngineState) -> None:
                 new_state[key] = _cut_partition(zg, per, names, value.dtype)
             else:
                 new_state[key] = value.clone() if torch.is_tensor(value) else value
+        new_state.update({k: t for k, t in got.items() if k != MASTER})
         basic.state[zg.fp32] = new_state

@@ -188,7 +188,7 @@ class HorovodControl:
         if hvd.rank() == 0:
             size, nodes = hvd.size(), max(1, min(hvd.cross_size(), hvd.size()))
             current = (self.local_bsz, self.accum_steps)
-            m, s = agent.choose(nodes, size, None if force else current)
+            m, s = agent.choose(nodes, size, None if force else current, refit=not force)
             factor = agent.lr_factor(size * m * (s + 1))
             decision[:] = torch.tensor([m, s, factor], dtype=torch.float64)
             self._report(nodes, size, m, s, force)

@@ -270,7 +270,8 @@ class ElasticTrainer:
         decision = torch.zeros(3, dtype=torch.int64)
         if p.rank == 0:
             current = (self.loader.local_bsz, self.loader.accum_steps)
-            m, s = self.agent.choose(p.num_nodes, p.world_size, None if force else current)
+            m, s = self.agent.choose(p.num_nodes, p.world_size, None if force else current,
+                                     refit=not force)
             decision[:] = torch.tensor([m, s, self._check_interval()])
             self._report(m, s, force)
         if p.world_size > 1:

@@ -87,10 +87,12 @@ class PolluxAgent:
         self._last_report = -math.inf
 
     # -- the model -------------------------------------------------------------------
-    def perf_params(self) -> PerfParams | None:
-        """The fitted throughput model (refitted when due and the profile grew)."""
+    def perf_params(self, refit: bool = True) -> PerfParams | None:
+        """The fitted throughput model (refitted when due and the profile grew; with
+        ``refit=False`` only if there is no model yet)."""
         now = self._clock()
-        due = now - self._fitted_at >= self.config.fit_interval or self._perf is None
+        due = self._perf is None or (
+            refit and now - self._fitted_at >= self.config.fit_interval)
         if due and len(self.profile) and len(self.profile) != self._fitted_len:
             inputs = self.profile.fit_inputs()
             try:
@@ -100,8 +102,8 @@ class PolluxAgent:
             self._fitted_at, self._fitted_len = now, len(self.profile)
         return self._perf
 
-    def goodput_function(self) -> GoodputFunction | None:
-        perf, grad = self.perf_params(), self._grad_stats()
+    def goodput_function(self, refit: bool = True) -> GoodputFunction | None:
+        perf, grad = self.perf_params(refit), self._grad_stats()
         if perf is None or grad is None:
             return None
         return GoodputFunction(perf, grad.to_grad_params(), self.config.init_batch_size)
@@ -118,12 +120,15 @@ class PolluxAgent:
         return m, s
 
     def choose(
-        self, num_nodes: int, num_replicas: int, current: tuple[int, int] | None = None
+        self, num_nodes: int, num_replicas: int, current: tuple[int, int] | None = None,
+        refit: bool = True,
     ) -> tuple[int, int]:
         """Best (m, s) for this allocation; ``current`` is kept unless the predicted
-        goodput gain exceeds ``min_gain`` (or ``current`` no longer fits the bounds)."""
+        goodput gain exceeds ``min_gain`` (or ``current`` no longer fits the bounds).
+        ``refit=False`` decides with the current model (inside a rescale's pause: a fit
+        takes tens of ms; the next regular decision refits)."""
         cfg = self.config
-        fn = self.goodput_function()
+        fn = self.goodput_function(refit)
         if fn is None:
             return (
                 current

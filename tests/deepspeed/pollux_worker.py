@@ -60,11 +60,19 @@ def close(a, b, path="state") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
-def comparable(state: dict) -> dict:
+def comparable(state: dict, like: dict | None = None) -> dict:
     """The training state proper: not the client part, nor micro_steps (re-aligned to the
-    new accumulation steps on a rebuild)."""
-    out = {k: v for k, v in state.items() if k != "client"}
+    new accumulation steps on a rebuild). ``like``: a newcomer's partial state (ZeRO-1/2:
+    it received only its own optimizer partitions) - keep what it has; the survivors'
+    checks cover the whole consolidated state, newcomers' partitions included."""
+    out = {k: v for k, v in state.items() if k not in ("client", "partitions", "partial")}
     out["counters"] = {k: v for k, v in state["counters"].items() if k != "micro_steps"}
+    if like is not None and like.get("partial"):
+        have = like["optimizer"]["state"]
+        out["master"] = None
+        out["optimizer"] = {**out["optimizer"], "state": {
+            n: {k: v for k, v in entry.items() if k in have[n]}
+            for n, entry in out["optimizer"]["state"].items()}}
     return out
 
 
@@ -78,7 +86,8 @@ def check(engine, job) -> None:
     p = job.placement
     write(kind="check", round=p.round, world=p.world_size, rank=p.rank, pid=os.getpid(),
           params_identical=all(torch.equal(everyone[0], t) for t in everyone),
-          state_diffs=close(comparable(before), comparable(after))[:5],
+          state_diffs=close(comparable(before), comparable(after, before))[:5],
+          partial=bool(before.get("partial")),
           optimizer_tensors=sum(len(v) for v in after["optimizer"]["state"].values()),
           zero_stage=after["zero_stage"], global_steps=after["counters"]["global_steps"])
 

@@ -132,6 +132,8 @@ def test_live_rescale_2_3_2(tmp_path, stage):
         assert c["state_diffs"] == [], c
         assert c["optimizer_tensors"] == 12, c  # Adam: step, exp_avg, exp_avg_sq x 4 params
         assert c["global_steps"] > 0, c
+    # a ZeRO-2 newcomer received only its own optimizer partitions, a ZeRO-0 one all
+    assert [c["partial"] for c in checks].count(True) == (1 if stage == 2 else 0), checks
 
     # the job reached its validation target on identical final replicas
     ends = [r for rs in logs.values() for r in rs if r["kind"] == "end"]

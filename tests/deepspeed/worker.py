@@ -128,9 +128,15 @@ def check_after_rescale(engine, before, what: str) -> None:
     dist.all_gather(everyone, flat)
     same = all(torch.equal(everyone[0], t) for t in everyone)
     after = engine.capture()
-    before = {k: v for k, v in before.items() if k != "client"}
-    diffs = close(before, {k: v for k, v in after.items() if k != "client"})
     n_opt = sum(len(v) for v in after["optimizer"]["state"].values())
+    if before.get("partial"):  # a ZeRO-1/2 newcomer got only its own optimizer partitions:
+        have = before["optimizer"]["state"]  # compare what it has (survivors check the rest)
+        after = {**after, "master": None, "optimizer": {**after["optimizer"], "state": {
+            n: {k: v for k, v in e.items() if k in have[n]}
+            for n, e in after["optimizer"]["state"].items()}}}
+    skip = ("client", "partitions", "partial")
+    before = {k: v for k, v in before.items() if k not in skip}
+    diffs = close(before, {k: v for k, v in after.items() if k not in skip})
     log["checks"].append({"what": what, "world": dist.get_world_size(), "params_identical": same,
                           "state_diffs": diffs, "optimizer_tensors": n_opt,
                           "zero_stage": after["zero_stage"]})
