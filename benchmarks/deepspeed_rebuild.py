@@ -21,6 +21,15 @@ ready to train. Also reported: its parts (capture of the consolidated state on t
 group, rendezvous to the formed group, engine rebuild + restore) and the pause up to the
 end of the first training step in the new group.
 
+Failure (ZeRO-0, ``--failures`` times): at ``high`` workers the highest rank is
+SIGKILLed; recovery is from the kill to the moment every survivor has re-formed the job
+(rendezvous failure round, after the dead worker's lease runs out: 5 s by default) and
+rebuilt its engine with rank 0's state. A survivor blocked in the failed gradient
+all-reduce on *another survivor* (not on the dead worker) only leaves it at the gloo
+timeout (``collective_timeout``, 60 s): the other survivor's connections stay open while
+DeepSpeed references its group. ZeRO-1/2 cannot recover live: the dead replica's
+optimizer partition is gone.
+
 ``measure(store_url, ...)`` is the entry point for ``benchmarks/rescale.py``. The LAST
 line printed is one JSON object:
 ``{"deepspeed_down_pause_s": .., "deepspeed_up_pause_s": .., ...}`` (ZeRO-2 when measured,
@@ -111,6 +120,7 @@ class _Job:
         self.keys = JobKeys(self.name)
         self.version = 0
         self.procs: dict[str, subprocess.Popen] = {}
+        self.killed: list[subprocess.Popen] = []
         self.events: queue.Queue[dict] = queue.Queue()
         self.backlog: list[dict] = []
         self.problems: list[str] = []
@@ -190,16 +200,37 @@ class _Job:
                 self.problems.append(f"survivor {wid} changed its pid")
         return events
 
+    def kill(self, wid: str) -> None:
+        """SIGKILL a worker (it is then no longer expected to exit cleanly)."""
+        proc = self.procs.pop(wid)
+        proc.kill()
+        proc.wait()
+        self.killed.append(proc)
+
     def close(self) -> None:
-        for proc in self.procs.values():
+        for proc in [*self.procs.values(), *self.killed]:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
         self.store.close()
 
 
+def _grow(job: _Job, rnd: dict[str, dict], low: int, high: int) -> dict[str, dict]:
+    """low -> high with prewarmed newcomers (registered, waiting in ``next_round``)."""
+    for _ in range(high - low):
+        job.wait(1, event="ready", worker=job.spawn())
+    deadline = time.monotonic() + 120
+    while job.registered() < high and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    job.wait(low, event="step")
+    job.allocate(high)
+    return job.round(high, rnd)
+
+
 def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = True,
-            high: int = 4, low: int = 2, optimizer: str = "sgd") -> dict[str, Any]:
+            high: int = 4, low: int = 2, optimizer: str = "sgd", failures: int = 0
+            ) -> dict[str, Any]:
     """Median pauses of DeepSpeed survivors over ``repeats`` low -> high -> low cycles (module
     docstring) on the store at ``store_url`` (e.g. ``embedded:///tmp/x/store.db``; the job
     is named ``bench-deepspeed-zero<stage>``). Returns ``{"deepspeed_down_pause_s",
@@ -209,13 +240,16 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
 
     if repeats < 1 or not 1 <= low < high:
         raise ValueError(f"need repeats >= 1 and 1 <= low < high, got {repeats}, {low}, {high}")
+    if failures and stage != 0:
+        raise ValueError("failure recovery needs ZeRO stage 0 (at 1/2 a partition is lost)")
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"optimizer must be sgd or adam, got {optimizer!r}")
     job = _Job(store_url, stage, optimizer)
     up: list[dict] = []
     down: list[dict] = []
+    recovery: list[float] = []
     try:
-        with tqdm(total=1 + 2 * repeats, desc=f"deepspeed ZeRO-{stage} rescale",
+        with tqdm(total=1 + 2 * repeats + failures, desc=f"deepspeed ZeRO-{stage} rescale",
                   unit="phase", file=sys.stderr, disable=not progress) as bar:
             job.allocate(low)
             for _ in range(low):
@@ -224,15 +258,7 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
             job.wait(low, event="step")
             bar.update()
             for _ in range(repeats):
-                for _ in range(high - low):
-                    job.wait(1, event="ready", worker=job.spawn())
-                deadline = time.monotonic() + 120
-                while job.registered() < high and time.monotonic() < deadline:
-                    time.sleep(0.05)  # prewarmed: registered, waiting in next_round
-                time.sleep(0.5)
-                job.wait(low, event="step")
-                job.allocate(high)
-                grown = job.round(high, rnd)
+                grown = _grow(job, rnd, low, high)
                 up += [grown[w] for w in rnd]
                 job.wait(high, event="step")
                 bar.update()
@@ -243,6 +269,21 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
                     code = job.procs[leaver].wait(timeout=120)
                     if code != 0:
                         job.problems.append(f"leaver {leaver} exited {code}")
+                job.wait(low, event="step")
+                bar.update()
+            for _ in range(failures):
+                rnd = _grow(job, rnd, low, high)
+                victim = max(rnd, key=lambda w: rnd[w]["rank"])  # never rank 0
+                job.wait(high, event="step")
+                t_kill = time.time()
+                job.kill(victim)
+                survivors = job.round(high - 1, rnd)
+                recovery.append(max(e["done_at"] for e in survivors.values()) - t_kill)
+                job.allocate(low)
+                rnd = job.round(low, survivors)
+                for leaver in (w for w in survivors if w not in rnd):
+                    if job.procs[leaver].wait(timeout=120) != 0:
+                        job.problems.append(f"leaver {leaver} exited {job.procs[leaver].poll()}")
                 job.wait(low, event="step")
                 bar.update()
             job.allocate(0)  # the end: everyone leaves with exit 0
@@ -264,6 +305,9 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
         "pids_kept": not job.problems,
         "repeats": repeats,
     }
+    if recovery:
+        out["deepspeed_failure_recovery_s"] = round(statistics.median(recovery), 4)
+        out["failures"] = len(recovery)
     for name, rows in (("down", down), ("up", up)):
         out[f"deepspeed_{name}_pause_max_s"] = round(max(r["pause_s"] for r in rows), 4)
         out[f"deepspeed_{name}_capture_s"] = med(rows, "captured_s")
@@ -280,6 +324,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", default="2,0", help="ZeRO stages, comma separated")
     parser.add_argument("--repeats", type=int, default=3, help="low->high->low cycles per stage")
+    parser.add_argument("--failures", type=int, default=0,
+                        help="SIGKILLs of a worker at ZeRO-0, recovered live (default 0)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
                         help="sgd (momentum, like the native workers) or adam")
     parser.add_argument("--low", type=int, default=2, help="workers before a grow (default 2)")
@@ -303,7 +349,8 @@ def main() -> None:
         for stage in stages:
             url = opts.store or f"embedded://{Path(tmp)}/store{stage}.db"
             results[stage] = measure(url, opts.repeats, stage, high=opts.high, low=opts.low,
-                                     optimizer=opts.optimizer)
+                                     optimizer=opts.optimizer,
+                                     failures=opts.failures if stage == 0 else 0)
             r = results[stage]
             print(f"ZeRO-{stage}: down {r['deepspeed_down_pause_s']:.3f} s, up "
                   f"{r['deepspeed_up_pause_s']:.3f} s (median over survivors and repeats)",
@@ -313,6 +360,8 @@ def main() -> None:
     for stage, r in results.items():
         for key in ("deepspeed_down_pause_s", "deepspeed_up_pause_s"):
             final[f"zero{stage}_{key.removeprefix('deepspeed_')}"] = r[key]
+    if 0 in results and "deepspeed_failure_recovery_s" in results[0]:
+        final["zero0_failure_recovery_s"] = results[0]["deepspeed_failure_recovery_s"]
     final["pids_kept"] = all(r["pids_kept"] for r in results.values())
     print(json.dumps(final))
 

@@ -104,7 +104,7 @@ class ElasticDeepSpeed:
         self.newcomer_wait = newcomer_wait
         self.keep_state = os.environ.get(KEEP_STATE_ENV, "") not in ("", "0")
         self.steps = 0
-        self.rescales: list[dict[str, Any]] = []  # timings of this worker's rescales
+        self.rescales: list[dict[str, Any]] = []  # timings of rescales and failure recoveries
         self._t_last: float | None = None
         self._waiting_since: float | None = None
         self._ready_checked = (-1.0, False)
@@ -236,6 +236,7 @@ class ElasticDeepSpeed:
                 f"a peer failed ({_line(exc)}); its ZeRO-{stage} optimizer partition is lost: "
                 "live recovery needs ZeRO stage 0 - restart the job from a checkpoint") from exc
         log.warning("a collective failed (%s): re-forming the job", _line(exc))
+        t0, old = time.perf_counter(), self.job.placement.world_size
         handle = self.handle
         state = handle.capture({"elastic": self.state_dict()})  # local at ZeRO-0
         handle._detach()
@@ -253,6 +254,10 @@ class ElasticDeepSpeed:
         if self.loader is not None:
             self.loader.abort_step()
         self._enter_round()
+        p = self.job.placement
+        self.rescales.append({"t0": t0, "from": old, "to": p.world_size, "round": p.round,
+                              "reason": "failure", "pause_s": time.perf_counter() - t0,
+                              "done_at": time.time()})
         return True
 
     def _enter_round(self) -> None:
