@@ -10,9 +10,17 @@ current placement unpenalised. The counts are then packed onto nodes honouring
 capacities, interference avoidance and non-preemptible jobs, and left-over slots are
 offered greedily to jobs that gain from them.
 
+With interference avoidance on uniform nodes the knapsack has a second resource:
+*exclusive nodes*. A distributed job holds its nodes to itself (no other distributed job
+may share them) and a job that fills a node shares it with nobody, so counts whose
+exclusive nodes exceed the cluster's cannot be packed however the placement tries
+(e.g. five jobs of 14 GPUs on 16 nodes of 4 need 20 nodes). The exact DP then runs over
+(GPUs, exclusive nodes), with "stay where you are" as a separate option holding the
+job's current nodes, so the counts it returns are ones the packer can place.
+
 The knapsack is solved exactly over every count when that is cheap (J * G^2 small);
 on large clusters a Lagrangian relaxation first finds near-optimal counts, and the
-exact DP then searches a window of counts around them.
+exact (GPU-only) DP then searches a window of counts around them.
 """
 
 from __future__ import annotations
@@ -173,6 +181,36 @@ class DPPolicy(Policy):
             rem -= k
         return out
 
+    def _knapsack_nodes(self, ks_all, ds_all, costs, G, D):
+        """Exact multiple-choice knapsack over two resources: GPUs and *exclusive* nodes.
+
+        With interference avoidance no two distributed jobs share a node, and a job that
+        fills a node shares it with nobody, so option ``(k, d)`` of a job holds ``d``
+        nodes to itself (its nodes if distributed, 1 if it fills one node, else 0) on top
+        of its ``k`` GPUs. Minimises the sum of costs subject to sum k <= G and
+        sum d <= D. Returns the chosen option index of each job.
+        """
+        dp = np.zeros((G + 1, D + 1))
+        g = np.arange(G + 1)[:, None]
+        n = np.arange(D + 1)[:, None]
+        choice = []
+        for ks, ds, c in zip(ks_all, ds_all, costs, strict=True):
+            gi = g - ks[None, :]  # (G+1, O)
+            ni = n - ds[None, :]  # (D+1, O)
+            m = dp[np.maximum(gi, 0)[:, None, :], np.maximum(ni, 0)[None, :, :]] + c
+            m[(gi < 0)[:, None, :] | (ni < 0)[None, :, :]] = np.inf
+            best = np.argmin(m, axis=2)
+            dp = np.take_along_axis(m, best[..., None], axis=2)[..., 0]
+            choice.append(best)
+        out = np.zeros(len(ks_all), dtype=np.int64)
+        rg, rn = G, D
+        for j in range(len(ks_all) - 1, -1, -1):
+            o = int(choice[j][rg, rn])
+            out[j] = o
+            rg -= int(ks_all[j][o])
+            rn -= int(ds_all[j][o])
+        return out
+
     # --------------------------------------------------------------- packing
     def _row_cost(self, obj: Objective, j: int, rows: np.ndarray, cur_row: np.ndarray):
         """Cost (lower is better) of candidate rows ``(M, N)`` for job ``j``."""
@@ -264,6 +302,63 @@ class DPPolicy(Policy):
             free -= r - alloc[j]
             alloc[j] = r
 
+    def _node_budget(self, obj: Objective, cur: np.ndarray, pinned: np.ndarray) -> int | None:
+        """Nodes left for exclusive use after the pinned jobs, or None where the
+        two-resource knapsack does not apply (no interference avoidance, or nodes of
+        different sizes)."""
+        slots = obj.slots
+        if not self.interference_avoidance or slots.size == 0 or np.any(slots != slots[0]):
+            return None
+        held = self._exclusive_nodes(cur[pinned], int(slots[0]))
+        return max(int(slots.size - held.sum()), 0)
+
+    @staticmethod
+    def _exclusive_nodes(rows: np.ndarray, slots: int) -> np.ndarray:
+        """Nodes each row holds to itself: all of them if distributed, 1 if it fills its
+        node, else 0."""
+        rows = np.atleast_2d(rows)
+        nn = np.count_nonzero(rows, axis=1)
+        return np.where(nn > 1, nn, (rows.sum(axis=1) >= slots).astype(np.int64))
+
+    def _solve_nodes(self, obj, cur, movable, ks_all, vals, stay_ok, stay_val, G, D):
+        """Counts and stay decisions of the movable jobs by :meth:`_knapsack_nodes`.
+
+        Moving to ``k`` GPUs is the packed placement (``packed_nodes(k)`` nodes, with
+        the penalty); staying put is its own option with the job's current nodes.
+        """
+        S = int(obj.slots[0])
+        ks_opts, ds_opts, v_opts, is_stay = [], [], [], []
+        for j in movable:
+            ks, v = ks_all[j], vals[j].copy()
+            k_cur = int(cur[j].sum())
+            if stay_ok[j]:
+                # _tables merged "stay" into the k_cur entry; split it out again.
+                at = ks == k_cur
+                moved_at = (v[at] if at.any() else np.zeros(1))
+                v[at] = np.minimum(moved_at, self._moved_value(obj, j, k_cur))
+            nn = packed_nodes(ks, obj.slots)
+            ds = np.where(nn > 1, nn, (ks >= S).astype(np.int64))
+            flag = np.zeros(ks.size, dtype=bool)
+            if stay_ok[j]:
+                ks = np.append(ks, k_cur)
+                ds = np.append(ds, self._exclusive_nodes(cur[j], S)[0])
+                v = np.append(v, stay_val[j])
+                flag = np.append(flag, True)
+            ks_opts.append(ks.astype(np.int64))
+            ds_opts.append(ds.astype(np.int64))
+            v_opts.append(v)
+            is_stay.append(flag)
+        costs, _ = self._costs(v_opts, obj.eps)
+        pick = self._knapsack_nodes(ks_opts, ds_opts, costs, G, D)
+        counts = np.array([ks_opts[i][o] for i, o in enumerate(pick)], dtype=np.int64)
+        stay = np.array([is_stay[i][o] for i, o in enumerate(pick)], dtype=bool)
+        return counts, stay
+
+    def _moved_value(self, obj: Objective, j: int, k: int) -> float:
+        """Normalised, penalised speedup of job ``j`` moved to a packed ``k`` GPUs."""
+        nn = packed_nodes(np.array([k]), obj.slots)
+        return float(obj.job_speedup(j, nn, np.array([k]), np.array([True]))[0])
+
     # -------------------------------------------------------------- optimize
     def optimize(
         self, jobs: Sequence[JobInfo], nodes: Sequence[PolicyNode], current: np.ndarray
@@ -289,19 +384,28 @@ class DPPolicy(Policy):
             ]
         )
         ks_all, vals, stay_val = self._tables(obj, cur, pinned, stay_ok, G)
-        costs, _ = self._costs(vals, obj.eps)
         movable = np.flatnonzero(~pinned)
         counts = cur.sum(axis=1).copy()
-        if movable.size:
-            counts[movable] = self._knapsack(
-                [ks_all[j] for j in movable], [costs[j] for j in movable], G
-            )
         k_cur = cur.sum(axis=1)
         stay = np.zeros(J, dtype=bool)
-        for j in movable:
-            if stay_ok[j] and counts[j] == k_cur[j]:
-                moved = vals[j][ks_all[j] == k_cur[j]]
-                stay[j] = stay_val[j] >= (moved[0] if moved.size else 0.0)
+        two_d = self._node_budget(obj, cur, pinned) if movable.size else None
+        if two_d is not None and (
+            (G + 1) * (two_d + 1) * sum(ks_all[j].size + 1 for j in movable)
+            <= self.full_dp_budget * 4
+        ):
+            counts[movable], stay[movable] = self._solve_nodes(
+                obj, cur, movable, ks_all, vals, stay_ok, stay_val, G, two_d
+            )
+        else:
+            costs, _ = self._costs(vals, obj.eps)
+            if movable.size:
+                counts[movable] = self._knapsack(
+                    [ks_all[j] for j in movable], [costs[j] for j in movable], G
+                )
+            for j in movable:
+                if stay_ok[j] and counts[j] == k_cur[j]:
+                    moved = vals[j][ks_all[j] == k_cur[j]]
+                    stay[j] = stay_val[j] >= (moved[0] if moved.size else 0.0)
         alloc = self._pack(obj, cur, counts, pinned | stay, pinned)
         # Never worse than leaving everything as it is, when that is allowed.
         if not allocation_violations(cur, nodes, jobs, cur, self.interference_avoidance):

@@ -8,6 +8,10 @@ repair enforces non-preemptible jobs, interference avoidance, max replicas, node
 capacities and min replicas, in that order. The population is warm-started from the
 previous round's (rows matched by job name, columns by node name), plus the current
 allocation. The answer is the fittest individual of the final population.
+
+Speed without changing the search: the objective memoises speedups per (job, nodes,
+replicas) for the round, and mutation, repair and NSGA-II's binary tournament are
+vectorised over the population (pymoo's tournament loops in Python).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pymoo.core.duplicate import HashDuplicateElimination
 from pymoo.core.mutation import Mutation
 from pymoo.core.problem import Problem
 from pymoo.core.repair import Repair
+from pymoo.operators.selection.tournament import TournamentSelection
 from pymoo.optimize import minimize
 
 from pollux_launch.policy.base import JobInfo, Policy, PolicyNode
@@ -80,15 +85,17 @@ class _Mutation(Mutation):
         states[rng.random(states.shape) < prob[..., None]] = 0
         # (3) grow random elements: about one free node and one used node per job
         slots = problem.obj.slots
-        free = slots - states.sum(axis=1)  # (P, N)
-        mask1 = np.broadcast_to((free > 0)[:, None, :], states.shape)
-        prob1 = mask1 / np.maximum(mask1.sum(axis=2, keepdims=True), 1)
-        mask2 = (states > 0) & mask1
+        open_ = slots - states.sum(axis=1) > 0  # (P, N): nodes with a free slot
+        prob1 = open_ / np.maximum(open_.sum(axis=1, keepdims=True), 1)  # (P, N)
+        mask2 = (states > 0) & open_[:, None, :]
         prob2 = mask2 / np.maximum(mask2.sum(axis=2, keepdims=True), 1)
-        m = rng.random(states.shape) < prob1 + prob2 - prob1 * prob2
-        high = np.maximum(np.broadcast_to(slots, states.shape), states) + 1
-        r = rng.integers(states, high)
-        states[m] = r[m]
+        # P(grow) = prob1 + prob2 - prob1 * prob2, with prob1 broadcast over jobs
+        m = np.nonzero(rng.random(states.shape) < prob1[:, None, :] * (1.0 - prob2) + prob2)
+        # uniform in [current, max(slots, current)] for the chosen elements only (one
+        # vectorised draw: Generator.integers with array bounds loops per element)
+        low = states[m]
+        high = np.maximum(slots[m[2]], low) + 1
+        states[m] = low + np.floor(rng.random(low.size) * (high - low)).astype(np.int64)
         return states.reshape(P, -1)
 
 
@@ -103,17 +110,51 @@ class _Repair(Repair):
             distributed = np.count_nonzero(states, axis=2) > 1
             mask = (states > 0) & distributed[..., None]
             states[np.cumsum(mask, axis=1) > 1] = 0
-        # no more than max replicas per job, trimmed from randomly ordered nodes
-        shuffle = np.argsort(rng.random(states.shape), axis=2)
-        s = np.take_along_axis(states, shuffle, axis=2)
-        s = np.diff(np.minimum(np.cumsum(s, axis=2), problem.max_rep[:, None]), axis=2, prepend=0)
-        states = np.take_along_axis(s, np.argsort(shuffle, axis=2), axis=2)
+        # no more than max replicas per job, trimmed from randomly ordered nodes (only the
+        # rows over their limit need the shuffle)
+        over = states.sum(axis=2) > problem.max_rep
+        if over.any():
+            rows = states[over]
+            cap = np.broadcast_to(problem.max_rep, over.shape)[over][:, None]
+            shuffle = np.argsort(rng.random(rows.shape), axis=1)
+            s = np.take_along_axis(rows, shuffle, axis=1)
+            s = np.diff(np.minimum(np.cumsum(s, axis=1), cap), axis=1, prepend=0)
+            states[over] = np.take_along_axis(s, np.argsort(shuffle, axis=1), axis=1)
         # node capacities: earlier jobs keep their replicas
         cap = np.minimum(np.cumsum(states, axis=1), problem.obj.slots)
         states = np.diff(cap, axis=1, prepend=0)
         # min replicas: a job below its minimum gets nothing
         states[states.sum(axis=2) < problem.min_rep] = 0
         return states.reshape(P, -1)
+
+
+def _binary_tournament(pop, P, random_state=None, **kwargs):
+    """NSGA-II's binary tournament (pymoo's ``comp_by_dom_and_crowding``), vectorised.
+
+    The winner of each pair dominates the other; failing that it has the larger crowding
+    distance; ties are broken at random. (The problem has no constraints, so every
+    individual is feasible.) pymoo's own version loops over the pairs in Python.
+    """
+    rng = random_state if random_state is not None else np.random.default_rng(0)
+    F = pop.get("F")
+    cd = pop.get("crowding").astype(float)
+    a, b = P[:, 0], P[:, 1]
+    fa, fb = F[a], F[b]
+    a_dom = np.all(fa <= fb, axis=1) & np.any(fa < fb, axis=1)
+    b_dom = np.all(fb <= fa, axis=1) & np.any(fb < fa, axis=1)
+    ca, cb = cd[a], cd[b]
+    coin = rng.random(len(a)) < 0.5
+    pick_a = np.where(a_dom, True, np.where(b_dom, False,
+                      np.where(ca > cb, True, np.where(ca < cb, False, coin))))
+    return np.where(pick_a, a, b)[:, None].astype(int)
+
+
+class _NSGA2(NSGA2):
+    """NSGA-II whose per-generation optimum skips pymoo's feasibility scan: the problem
+    has no constraints, so the optimum is always the first non-dominated front."""
+
+    def _set_optimum(self, **kwargs):
+        self.opt = self.pop[self.pop.get("rank") == 0]
 
 
 class GAPolicy(Policy):
@@ -189,12 +230,13 @@ class GAPolicy(Policy):
         job_names = [j.name for j in ojobs]
         node_names = [n.name for n in nodes]
         sampling = self._warm_start(base, job_names, node_names)
-        algorithm = NSGA2(
+        algorithm = _NSGA2(
             pop_size=self.pop_size,
             sampling=sampling.reshape(sampling.shape[0], -1),
             crossover=_Crossover(),
             mutation=_Mutation(),
             repair=_Repair(),
+            selection=TournamentSelection(func_comp=_binary_tournament),
             eliminate_duplicates=HashDuplicateElimination(),
         )
         result = minimize(

@@ -23,6 +23,9 @@ from pollux_launch.policy.base import JobInfo, PolicyNode
 #: the search then still prefers allocations that start more jobs.
 SPEEDUP_EPS = 1e-3
 
+#: Largest memo of raw speedups an Objective keeps (jobs x (nodes+1) x (slots+1) floats).
+_MEMO_BUDGET = 2_000_000
+
 
 def check_p(p: float) -> float:
     """Validate the fairness knob of Eqn 14."""
@@ -146,12 +149,57 @@ class Objective:
             np.array([j.restarts for j in jobs], dtype=float),
             delta,
         )
+        # Memo of raw speedups [job, nodes, replicas] (NaN: not asked yet). A search
+        # evaluates the same few (N, K) per job over and over: after the first
+        # generations every lookup is one gather instead of one speedup_fn call per job.
+        n_nodes, total = len(self.slots), int(self.slots.sum())
+        size = len(self.jobs) * (n_nodes + 1) * (total + 1)
+        self._memo = np.full((len(self.jobs), n_nodes + 1, total + 1), np.nan) if (
+            0 < size <= _MEMO_BUDGET) else None
+
+    def raw_speedups(self, num_nodes: np.ndarray, num_replicas: np.ndarray) -> np.ndarray:
+        """Sanitised raw speedup of every job (last axis) at ``(..., J)`` placements."""
+        num_nodes = np.asarray(num_nodes, dtype=np.int64)
+        num_replicas = np.asarray(num_replicas, dtype=np.int64)
+        memo = self._memo
+        J = len(self.jobs)
+        if memo is None or np.any(num_replicas >= memo.shape[2]) or np.any(num_replicas < 0):
+            out = np.zeros(num_replicas.shape)
+            for j in range(J):
+                out[..., j] = call_speedup(self.jobs[j], num_nodes[..., j], num_replicas[..., j])
+            return out
+        n = np.minimum(num_nodes, memo.shape[1] - 1)
+        jj = np.broadcast_to(np.arange(J), num_replicas.shape)
+        out = memo[jj, n, num_replicas]
+        missing = np.isnan(out)
+        if missing.any():
+            mj, mn, mk = jj[missing], n[missing], num_replicas[missing]
+            for j in np.unique(mj):
+                sel = mj == j
+                keys = np.unique(np.stack([mn[sel], mk[sel]]), axis=1)
+                memo[j, keys[0], keys[1]] = call_speedup(self.jobs[j], keys[0], keys[1])
+            out = memo[jj, n, num_replicas]
+        return out
 
     def job_speedup(
         self, j: int, num_nodes: np.ndarray, num_replicas: np.ndarray, changed: np.ndarray
     ) -> np.ndarray:
         """Normalised, penalised speedup of job ``j`` at the given placements."""
-        s = call_speedup(self.jobs[j], num_nodes, num_replicas) / self.norm[j]
+        num_nodes = np.asarray(num_nodes, dtype=np.int64)
+        num_replicas = np.asarray(num_replicas, dtype=np.int64)
+        memo = self._memo
+        if (memo is None or num_replicas.size == 0 or num_replicas.max() >= memo.shape[2]
+                or num_replicas.min() < 0):
+            raw = call_speedup(self.jobs[j], num_nodes, num_replicas)
+        else:
+            n = np.minimum(num_nodes, memo.shape[1] - 1)
+            raw = memo[j, n, num_replicas]
+            missing = np.isnan(raw)
+            if missing.any():
+                keys = np.unique(np.stack([n[missing], num_replicas[missing]]), axis=1)
+                memo[j, keys[0], keys[1]] = call_speedup(self.jobs[j], keys[0], keys[1])
+                raw = memo[j, n, num_replicas]
+        s = raw / self.norm[j]
         return np.where(changed, s * self.penalty[j], s)
 
     def speedups(self, alloc: np.ndarray) -> np.ndarray:
@@ -160,12 +208,8 @@ class Objective:
         num_nodes = np.count_nonzero(alloc, axis=-1)
         num_replicas = alloc.sum(axis=-1)
         changed = np.any(alloc != self.current, axis=-1)
-        out = np.zeros(num_replicas.shape)
-        for j in range(len(self.jobs)):
-            out[..., j] = self.job_speedup(
-                j, num_nodes[..., j], num_replicas[..., j], changed[..., j]
-            )
-        return out
+        out = self.raw_speedups(num_nodes, num_replicas) / self.norm
+        return np.where(changed, out * self.penalty, out)
 
     def __call__(self, alloc: np.ndarray) -> np.ndarray:
         """FITNESS_p (Eqn 14) of each allocation, shape ``(...)``."""

@@ -11,7 +11,9 @@ every epoch boundary.
 
 What a job *knows* is what a real Pollux agent would know: the (nodes, replicas,
 per-GPU batch) configurations it has run and their measured step/sync times (refit
-with ``fit_perf_params`` before each round in which it saw a new one), and the
+with ``fit_perf_params``, warm-started from its previous fit, before each round in
+which it saw a new one and, as in the authors' simulator, before re-picking its batch
+size at an epoch boundary after seeing a new one), and the
 gradient statistics of its current batch size and epoch. Before its first step it has
 no model and reports a linear speedup limited to one GPU (the exploration cap, 2x the
 most replicas seen, then lets it grow), as in the Pollux authors' simulator.
@@ -136,9 +138,10 @@ class SimJob:
         self._stale = False
         keys = np.array(list(self.profile), dtype=int)
         vals = np.array(list(self.profile.values()), dtype=float)
+        # Warm start from the previous fit: a few new observations move the optimum little.
         self.perf_params = fit_perf_params(
             keys[:, 0], keys[:, 1], keys[:, 2], np.zeros(len(keys), dtype=int),
-            vals[:, 0], vals[:, 1])
+            vals[:, 0], vals[:, 1], init=self.perf_params)
         self.choose_batch()  # a new model may prefer another (m, s) for the same GPUs
 
     def goodput_fn(self) -> GoodputFunction:
@@ -241,7 +244,13 @@ class SimJob:
             if self.epoch >= tr.max_epochs:
                 self.completion_time = start + seconds - left
                 return
-            self.choose_batch()  # new epoch, new gradient statistics: re-pick (m, s)
+            # New epoch, new gradient statistics: re-pick (m, s), with a model refitted to
+            # what this placement showed (the authors' simulator refits on every new
+            # configuration, so its batch choice never lags behind its observations).
+            if self._stale and self.fixed_batch is None and self.cfg.adaptive:
+                self.refit()
+            else:
+                self.choose_batch()
 
     def true_efficiency(self) -> float:
         if not self.placement or self.completion_time is not None:

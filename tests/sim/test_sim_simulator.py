@@ -129,11 +129,29 @@ def test_adaptive_job_learns_only_what_it_ran(tmp_path):
     job.advance(60.0, 60.0)
     assert list(job.profile) == [(1, 1, 10)]
     assert job.profile[(1, 1, 10)] == (0.5, 0.1)
-    assert job.perf_params is None  # refit happens when it next reports to the policy
+    # Epoch 1 ended at t=120 on a configuration the model had not seen: it is refit
+    # before (m, s) is re-picked, as the authors' simulator refits on every new one.
+    assert job.perf_params is not None
     info = job.job_info(120.0)
     assert job.perf_params is not None and info.max_replicas == 2
     assert info.age == 120.0 and info.restarts == 0
     assert job.progress == pytest.approx(60.0)
+
+
+def test_adaptive_job_refits_at_epoch_boundaries_not_mid_epoch(tmp_path):
+    from pollux_launch.sim.simulator import SimJob
+
+    models = _toy_models(tmp_path, batch_sizes=(10,))
+    spec = load_workload(_workload(tmp_path, "solo,0,toy,1,10\n"), ["toy"])[0]
+    job = SimJob(spec, load_model("toy", models), SimConfig(nodes=1, gpus_per_node=2), 0)
+    job.reallocate(np.array([1]))
+    job.advance(60.0, 50.0)  # 30 s restart + 20 s of work: 40 < P(1) = 60, same epoch
+    assert job.epoch == 0 and job.profile and job.perf_params is None
+    job.advance(110.0, 20.0)  # crosses into epoch 1: the new configuration is fitted
+    assert job.epoch == 1 and job.perf_params is not None
+    fitted = job.perf_params
+    job.job_info(130.0)  # nothing new seen since: the round does not refit again
+    assert job.perf_params is fitted
 
 
 def _run_cli(argv, capsys):
