@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
+from state_compare import as_held_by, close  # noqa: E402  (beside this script)
 from torch.utils.data import TensorDataset  # noqa: E402
 
 from pollux_launch.adapters.deepspeed import initialize  # noqa: E402
@@ -41,38 +42,11 @@ def write(**record) -> None:
     log.flush()
 
 
-def close(a, b, path="state") -> list[str]:
-    """Differences between two consolidated states (tensors to fp tolerance)."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
-            return [f"{path}: shape/type differs"]
-        ok = torch.allclose(a.double(), b.double(), rtol=1e-6, atol=1e-7)
-        return [] if ok else [f"{path}: max diff {(a.double() - b.double()).abs().max():.3g}"]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return [f"{path}: keys {sorted(set(a) ^ set(b))}"]
-        return [d for k in a for d in close(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: length"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True))
-                for d in close(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
-
-
 def comparable(state: dict, like: dict | None = None) -> dict:
-    """The training state proper: not the client part, nor micro_steps (re-aligned to the
-    new accumulation steps on a rebuild). ``like``: a newcomer's partial state (ZeRO-1/2:
-    it received only its own optimizer partitions) - keep what it has; the survivors'
-    checks cover the whole consolidated state, newcomers' partitions included."""
-    out = {k: v for k, v in state.items() if k not in ("client", "partitions", "partial")}
+    """The training state proper (as held by ``like``), without micro_steps (re-aligned to
+    the new accumulation steps on a rebuild)."""
+    out = as_held_by(state, like or {})
     out["counters"] = {k: v for k, v in state["counters"].items() if k != "micro_steps"}
-    if like is not None and like.get("partial"):
-        have = like["optimizer"]["state"]
-        out["master"] = None
-        out["optimizer"] = {**out["optimizer"], "state": {
-            n: {k: v for k, v in entry.items() if k in have[n]}
-            for n, entry in out["optimizer"]["state"].items()}}
     return out
 
 

@@ -28,6 +28,7 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 import torch
 import torch.distributed as dist
 from sklearn.datasets import load_digits
+from state_compare import as_held_by, close  # beside this script
 
 from pollux_launch.adapters import deepspeed as pds
 
@@ -102,25 +103,6 @@ def train(engine, steps: int, pos: int) -> tuple[int, list[float]]:
     return pos, losses
 
 
-def close(a, b, path="state") -> list[str]:
-    """Differences between two consolidated states (tensors to fp tolerance)."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
-            return [f"{path}: shape/type differs"]
-        ok = torch.allclose(a.double(), b.double(), rtol=1e-6, atol=1e-7)
-        return [] if ok else [f"{path}: max diff {(a.double() - b.double()).abs().max():.3g}"]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return [f"{path}: keys {sorted(set(a) ^ set(b))}"]
-        return [d for k in a for d in close(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: length"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True))
-                for d in close(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
-
-
 def check_after_rescale(engine, before, what: str) -> None:
     """Identical parameters everywhere; consolidated state equal to ``before``."""
     flat = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
@@ -129,14 +111,7 @@ def check_after_rescale(engine, before, what: str) -> None:
     same = all(torch.equal(everyone[0], t) for t in everyone)
     after = engine.capture()
     n_opt = sum(len(v) for v in after["optimizer"]["state"].values())
-    if before.get("partial"):  # a ZeRO-1/2 newcomer got only its own optimizer partitions:
-        have = before["optimizer"]["state"]  # compare what it has (survivors check the rest)
-        after = {**after, "master": None, "optimizer": {**after["optimizer"], "state": {
-            n: {k: v for k, v in e.items() if k in have[n]}
-            for n, e in after["optimizer"]["state"].items()}}}
-    skip = ("client", "partitions", "partial")
-    before = {k: v for k, v in before.items() if k not in skip}
-    diffs = close(before, {k: v for k, v in after.items() if k not in skip})
+    diffs = close(as_held_by(before, {}), as_held_by(after, before))
     log["checks"].append({"what": what, "world": dist.get_world_size(), "params_identical": same,
                           "state_diffs": diffs, "optimizer_tensors": n_opt,
                           "zero_stage": after["zero_stage"]})
