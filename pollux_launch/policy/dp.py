@@ -16,7 +16,16 @@ may share them) and a job that fills a node shares it with nobody, so counts who
 exclusive nodes exceed the cluster's cannot be packed however the placement tries
 (e.g. five jobs of 14 GPUs on 16 nodes of 4 need 20 nodes). The exact DP then runs over
 (GPUs, exclusive nodes), with "stay where you are" as a separate option holding the
-job's current nodes, so the counts it returns are ones the packer can place.
+job's current nodes, so that far fewer of its counts are ones no packing can place.
+
+Counts and exclusive nodes still miss the *holes* distributed jobs leave in their partial
+nodes (55 + 7 + 2 GPUs on 16 nodes of 4 leave two holes of 1, no node with 2), so a small
+job's count may find no room. The counts are therefore packed two ways (largest first;
+single-node jobs first, distributed ones spread over the holes) and the fitter packing is
+improved by a local search on the true objective: a job takes GPUs on one node while the
+jobs there shrink to make room, or leaves one of its nodes. On the 37 rounds of a
+workload-1 simulation where packing alone trailed ``pollux-ga`` by over 3 % (mean 0.89x,
+worst 0.67x its fitness), this gives mean 1.00x, worst 0.99x.
 
 The knapsack is solved exactly over every count when that is cheap (J * G^2 small);
 on large clusters a Lagrangian relaxation first finds near-optimal counts, and the
@@ -35,6 +44,7 @@ from pollux_launch.policy.objective import (
     call_speedup,
     check_p,
     fair_share,
+    fitness,
     packed_nodes,
 )
 from pollux_launch.policy.placement import (
@@ -63,6 +73,8 @@ class DPPolicy(Policy):
         seed: int = 0,
         full_dp_budget: int = 4_000_000,
         window: int = 8,
+        room_moves: int = 8,
+        room_budget: int = 2048,
     ) -> None:
         self.p = check_p(p)
         if delta < 0:
@@ -72,6 +84,8 @@ class DPPolicy(Policy):
         self.seed = seed  # deterministic engine; accepted for a uniform interface
         self.full_dp_budget = int(full_dp_budget)
         self.window = int(window)
+        self.room_moves = int(room_moves)  # local-search moves after packing
+        self.room_budget = int(room_budget)  # (job, node, count) tries per move, about
 
     # ----------------------------------------------------------------- tables
     def _tables(self, obj: Objective, cur: np.ndarray, pinned: np.ndarray, stay_ok, G):
@@ -226,15 +240,20 @@ class DPPolicy(Policy):
     def _valid_count(self, job: JobInfo, k: int) -> bool:
         return k == 0 or job.min_replicas <= k <= job.max_replicas
 
-    def _pack(self, obj, cur, counts, fixed, pinned):
+    def _pack(self, obj, cur, counts, fixed, pinned, small_first: bool = False):
+        """Place the movers' counts around the fixed jobs, largest first; with
+        ``small_first`` the single-node counts go first (best fit) and distributed jobs
+        then spread over the holes they leave, which may fit both where largest-first
+        leaves a small job no node with room."""
         jobs, slots = obj.jobs, obj.slots
         ia = self.interference_avoidance
         alloc = np.zeros_like(cur)
         alloc[fixed] = cur[fixed]
         free = slots - alloc.sum(axis=0)
         has_dist = distributed_per_node(alloc) > 0
-        movers = [j for j in np.argsort(-counts, kind="stable") if not fixed[j] and counts[j]]
         smax = int(slots.max())
+        key = -counts + (2 * counts.max(initial=0) + 1) * (counts > smax) * small_first
+        movers = [j for j in np.argsort(key, kind="stable") if not fixed[j] and counts[j]]
         for j in movers:
             k = int(counts[j])
             row = place_job(k, free, has_dist, cur[j], ia)
@@ -301,6 +320,83 @@ class DPPolicy(Policy):
             j, r = best[1], best[2]
             free -= r - alloc[j]
             alloc[j] = r
+
+    def _make_room(self, obj, cur, alloc, pinned) -> np.ndarray:
+        """Local search after packing: a job takes ``k`` GPUs on one node, shrinking the
+        jobs already there (largest first) to make room, or leaves one of its nodes; the
+        best improving move, repeated.
+
+        The knapsack counts GPUs and exclusive nodes but not the holes distributed jobs
+        leave in their partial nodes, so a small job's count may find no node with room
+        (55 + 7 + 2 GPUs on 16 nodes of 4 leaves two holes of 1, not one of 2). Trading a
+        replica of a large job for a starved small one is then the gain FITNESS_p with
+        p < 0 values most. Only the changed jobs' speedups are evaluated; on large
+        clusters the moves are tried for the least-sped-up jobs only.
+        """
+        jobs, slots = obj.jobs, obj.slots
+        J, N = alloc.shape
+        mins = np.array([j.min_replicas for j in jobs])
+        S = obj.speedups(alloc)
+        best_f = float(fitness(S, self.p, obj.eps))
+        movable = np.flatnonzero(~pinned)
+        per_job = N * int(slots.max(initial=1))
+        movable = movable[np.argsort(S[movable], kind="stable")]
+        movable = movable[: max(1, self.room_budget // max(per_job, 1))]
+        for _ in range(self.room_moves):
+            moves: list[list[tuple[int, np.ndarray]]] = []
+            for j in movable:
+                k_now, job = int(alloc[j].sum()), jobs[j]
+                for n in range(N):
+                    top = min(int(slots[n]), job.max_replicas)
+                    for k in range(max(k_now + 1, job.min_replicas, 1), top + 1):
+                        need = k - int(slots[n] - alloc[:, n].sum() + alloc[j, n])
+                        row = np.zeros(N, dtype=np.int64)
+                        row[n] = k
+                        change = [(int(j), row)]
+                        for d in np.argsort(-alloc[:, n], kind="stable"):
+                            if need <= 0 or alloc[d, n] == 0:
+                                break
+                            if pinned[d] or d == j:
+                                continue
+                            take = min(need, int(alloc[d, n]))
+                            need -= take
+                            r = alloc[d].copy()
+                            r[n] -= take
+                            change.append((int(d), r if r.sum() >= mins[d] else 0 * r))
+                        if need <= 0:
+                            moves.append(change)
+                for n in np.flatnonzero(alloc[j]):  # leave a node (e.g. a partial one)
+                    r = alloc[j].copy()
+                    r[n] = 0
+                    if r.sum() >= max(job.min_replicas, 1):
+                        moves.append([(int(j), r)])
+            if not moves:
+                break
+            cidx, jidx, rows = [], [], []
+            for c, change in enumerate(moves):
+                for x, r in change:
+                    cidx.append(c)
+                    jidx.append(x)
+                    rows.append(r)
+            cidx, jidx, rows = np.array(cidx), np.array(jidx), np.array(rows)
+            cand = np.broadcast_to(S, (len(moves), J)).copy()
+            for x in np.unique(jidx):
+                sel = jidx == x
+                r = rows[sel]
+                cand[cidx[sel], x] = obj.job_speedup(
+                    x, np.count_nonzero(r, axis=1), r.sum(axis=1), np.any(r != cur[x], axis=1)
+                )
+            f = fitness(cand, self.p, obj.eps)
+            i = int(np.argmax(f))
+            if f[i] <= best_f * (1 + 1e-9):
+                break
+            alloc = alloc.copy()
+            for x, r in moves[i]:
+                alloc[x] = r
+            self._fill(obj, cur, alloc, slots - alloc.sum(axis=0), pinned)
+            S = obj.speedups(alloc)
+            best_f = float(fitness(S, self.p, obj.eps))
+        return alloc
 
     def _node_budget(self, obj: Objective, cur: np.ndarray, pinned: np.ndarray) -> int | None:
         """Nodes left for exclusive use after the pinned jobs, or None where the
@@ -406,7 +502,9 @@ class DPPolicy(Policy):
                 if stay_ok[j] and counts[j] == k_cur[j]:
                     moved = vals[j][ks_all[j] == k_cur[j]]
                     stay[j] = stay_val[j] >= (moved[0] if moved.size else 0.0)
-        alloc = self._pack(obj, cur, counts, pinned | stay, pinned)
+        packs = [self._pack(obj, cur, counts, pinned | stay, pinned, small) for small in (0, 1)]
+        alloc = packs[int(np.argmax(obj(np.stack(packs))))]
+        alloc = self._make_room(obj, cur, alloc, pinned)
         # Never worse than leaving everything as it is, when that is allowed.
         if not allocation_violations(cur, nodes, jobs, cur, self.interference_avoidance):
             f_cur, f_new = obj(np.stack([cur, alloc]))
