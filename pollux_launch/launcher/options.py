@@ -119,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--elastic-timeout", type=float, default=600.0,
                    help="seconds to wait for min-np replicas to become available")
     g.add_argument("--reset-limit", type=int, default=None,
-                   help="stop the job after this many rescales")
+                   help="Horovod jobs: horovodrun's limit on elastic resets")
     g.add_argument("--blacklist-cooldown-range", type=int, nargs=2, default=None,
                    metavar=("MIN_S", "MAX_S"),
-                   help="cool-down range for hosts whose workers failed")
+                   help="Horovod jobs: horovodrun's cool-down range for failed hosts")
     g.add_argument("--output-filename", help="directory for per-rank stdout/stderr logs")
     g.add_argument("--verbose", action="store_true", help="more launcher output")
     g.add_argument("--log-level", default="WARNING",
@@ -247,6 +247,16 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
     if horovod_env and framework != "horovod":
         flags = [f"--{a.replace('_', '-')}" for a in _HOROVOD_ENV_FLAGS if getattr(ns, a)]
         raise OptionsError(f"{', '.join(flags)}: Horovod tuning, but this is a {framework} job")
+    # Only horovodrun's elastic driver counts resets and blacklists hosts; a native or
+    # DeepSpeed job's rescales are the scheduler's decisions, so silently ignoring the
+    # flags there would mislead.
+    elastic = [f for f, v in (("--reset-limit", ns.reset_limit),
+                              ("--blacklist-cooldown-range", cooldown)) if v is not None]
+    if elastic and framework != "horovod":
+        raise OptionsError(
+            f"{', '.join(elastic)}: horovodrun elastic options, but this is a {framework} job "
+            "(its rescales are scheduled by Pollux; bound them with --min-np/--max-np)"
+        )
     return LaunchOptions(
         command=command, np=np_, min_np=lo, max_np=hi, hosts=hosts,
         host_discovery_script=ns.host_discovery_script, slots_per_host=slots_per_host,

@@ -38,6 +38,9 @@ def test_elastic_range_and_defaults():
         (["--fairness", "0", "python"], "must not be 0"),
         (["--job-name", "Bad Name!", "python"], "--job-name"),
         (["--fusion-threshold-mb", "64", "--framework", "torch", "python"], "Horovod tuning"),
+        (["--reset-limit", "3", "--framework", "torch", "python"], "horovodrun elastic"),
+        (["--blacklist-cooldown-range", "1", "5", "--framework", "deepspeed", "python"],
+         "horovodrun elastic"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, needle):
