@@ -348,12 +348,14 @@ class DPPolicy(Policy):
                 k_now, job = int(alloc[j].sum()), jobs[j]
                 for n in range(N):
                     top = min(int(slots[n]), job.max_replicas)
+                    free_n = int(slots[n] - alloc[:, n].sum() + alloc[j, n])
+                    donors = np.argsort(-alloc[:, n], kind="stable")
                     for k in range(max(k_now + 1, job.min_replicas, 1), top + 1):
-                        need = k - int(slots[n] - alloc[:, n].sum() + alloc[j, n])
+                        need = k - free_n
                         row = np.zeros(N, dtype=np.int64)
                         row[n] = k
                         change = [(int(j), row)]
-                        for d in np.argsort(-alloc[:, n], kind="stable"):
+                        for d in donors:
                             if need <= 0 or alloc[d, n] == 0:
                                 break
                             if pinned[d] or d == j:
@@ -362,7 +364,7 @@ class DPPolicy(Policy):
                             need -= take
                             r = alloc[d].copy()
                             r[n] -= take
-                            change.append((int(d), r if r.sum() >= mins[d] else 0 * r))
+                            change.append((int(d), r if r.sum() >= mins[d] else np.zeros_like(r)))
                         if need <= 0:
                             moves.append(change)
                 for n in np.flatnonzero(alloc[j]):  # leave a node (e.g. a partial one)

@@ -138,6 +138,7 @@ def _survive(F: np.ndarray, n: int, rng: np.random.Generator):
     non-dominated fronts in rank order, the last one cut by crowding distance with random
     tie-breaks. Returns the survivors' indices, their ranks and crowding distances."""
     survivors, ranks, crowd = [], [], []
+    taken = 0
     for k, front in enumerate(NonDominatedSorting().do(F, n_stop_if_ranked=n)):
         cd = (
             calc_crowding_distance(F[front])
@@ -145,13 +146,13 @@ def _survive(F: np.ndarray, n: int, rng: np.random.Generator):
             else np.full(len(front), np.inf)
         )
         idx = np.arange(len(front))
-        if len(survivors) + len(front) > n:
-            n_remove = len(survivors) + len(front) - n
-            idx = randomized_argsort(cd, order="descending", random_state=rng)[:-n_remove]
+        if taken + len(front) > n:
+            idx = randomized_argsort(cd, order="descending", random_state=rng)[: n - taken]
         survivors.append(front[idx])
         ranks.append(np.full(len(idx), k))
         crowd.append(cd[idx])
-        if sum(map(len, survivors)) >= n:
+        taken += len(idx)
+        if taken >= n:
             break
     return np.concatenate(survivors), np.concatenate(ranks), np.concatenate(crowd)
 

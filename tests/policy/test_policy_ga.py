@@ -23,6 +23,14 @@ def test_survival_keeps_whole_fronts_in_rank_order():
     assert dict(zip(keep.tolist(), ranks.tolist(), strict=True)) == {2: 0, 1: 1, 3: 1}
 
 
+def test_survival_cuts_the_last_front_to_the_population_size():
+    # front 0 holds two points and front 1 two more: three survivors, not four.
+    F = np.array([[0.0, 1.0], [1.0, 0.0], [2.0, 2.0], [3.0, 1.5]])
+    keep, ranks, _ = _survive(F, 3, np.random.default_rng(0))
+    assert len(keep) == 3 and {0, 1} <= set(keep.tolist())
+    assert sorted(ranks.tolist()) == [0, 0, 1]
+
+
 def test_final_population_has_no_duplicates_and_warm_starts_the_next_round():
     jobs, nodes, current = random_round(np.random.default_rng(3), 6, 8, 4)
     pol = make_policy("pollux-ga", pop_size=30, n_gen=15, seed=1)
