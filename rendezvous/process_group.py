@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,19 +51,12 @@ def form_group(backend: str, addr: str, port: int, rank: int, world_size: int, t
     """Destroy any current default group and initialise a new one (rank 0 passes the
     ``hosted`` store it published; the others connect to ``addr:port``)."""
     destroy_group()
-    if backend == "gloo" and _is_loopback(addr):
-        # gloo binds the interface its host name resolves to, which need not be loopback
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     td = datetime.timedelta(seconds=timeout)
     store = hosted if hosted is not None else dist.TCPStore(
         addr, port, world_size, is_master=False, timeout=td)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
     control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
     return Group(backend, rank, world_size, store, control)
-
-
-def _is_loopback(addr: str) -> bool:
-    return addr.startswith("127.") or addr in ("localhost", "::1")
 
 
 def destroy_group() -> None:

@@ -49,8 +49,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pollux_launch import env as envvars
 from pollux_launch.messages import Allocation, MessageError, decode, encode
 
+from .network import transport_env
 from .process_group import Group, default_backend, destroy_group, form_group, host_store, vote_any
 from .rounds import (
     JobKeys,
@@ -78,9 +80,9 @@ from .store import (
 log = logging.getLogger(__name__)
 M = TypeVar("M")
 
-# Environment a launched worker finds (set by pollux-run's node agent).
-ENV_STORE, ENV_PREFIX, ENV_JOB = "POLLUX_STORE", "POLLUX_STORE_PREFIX", "POLLUX_JOB"
-ENV_NODE, ENV_WORKER_ID, ENV_ADDR = "POLLUX_NODE", "POLLUX_WORKER_ID", "POLLUX_ADDR"
+# Environment a launched worker finds (set by pollux-run's node agent; pollux_launch.env).
+ENV_STORE, ENV_PREFIX, ENV_JOB = envvars.STORE, envvars.PREFIX, envvars.JOB
+ENV_NODE, ENV_WORKER_ID, ENV_ADDR = envvars.NODE, envvars.WORKER_ID, envvars.ADDR
 
 
 class RendezvousError(RuntimeError):
@@ -198,6 +200,11 @@ class Rendezvous:
             "worker id", worker or f"{self.node}-{os.getpid()}-{secrets.token_hex(3)}")
         self.addr = self.config.addr or os.environ.get(ENV_ADDR) or _default_addr()
         self.backend = self.config.backend or default_backend()
+        # bind the transports to the interface carrying this worker's own address, for
+        # every round alike (the node agent sets these already; a process started
+        # otherwise derives them here); what the user set is kept
+        for name, value in transport_env(self.addr).items():
+            os.environ.setdefault(name, value)
         self.info: GroupInfo | None = None
         self.group: Group | None = None
         self._round, self._rank = 0, -1
@@ -343,7 +350,7 @@ class Rendezvous:
                 self._bump(ptr_kv, ptr, state, ptr.alloc_version, ptr.nodes, "membership")
                 return _AGAIN
             if self._round > 0:
-                self._leave_job()
+                self._leave_job(departed=True)
                 raise WorkerRemoved(
                     f"worker {self.worker} is not in round {r} of job {self.job!r} "
                     f"(allocation version {state.alloc_version}, {len(state.members)} "
@@ -352,7 +359,7 @@ class Rendezvous:
 
         if not ptr.nodes:  # the job was allocated nothing: everyone leaves
             if self._round > 0:
-                self._leave_job()
+                self._leave_job(departed=True)
                 raise WorkerRemoved(f"job {self.job!r} has no replicas in allocation version "
                                     f"{ptr.alloc_version}: worker {self.worker} leaving")
             return _IDLE
@@ -606,8 +613,16 @@ class Rendezvous:
             self._teardown.join()
             self._teardown = None
 
-    def _leave_job(self) -> None:
-        """Stop the threads and revoke the lease (this worker's keys vanish now)."""
+    def _leave_job(self, departed: bool = False) -> None:
+        """Stop the threads and revoke the lease (this worker's keys vanish now). With
+        ``departed`` tell the node agent (``POLLUX_EXIT_FILE``) that this worker leaves
+        because a round formed without it: its exit 0 is no completion of the job."""
+        if departed and os.environ.get(envvars.EXIT_FILE):
+            try:
+                with open(os.environ[envvars.EXIT_FILE], "w") as f:
+                    f.write("departed\n")
+            except OSError as exc:  # the agent then judges by the allocation, as before
+                log.warning("worker %s: cannot write its exit file: %s", self.worker, exc)
         self._closed = True
         self._stop.set()
         if self._watcher is not threading.current_thread():

@@ -3,8 +3,10 @@
 * ``etcd_server``   one etcd (Debian's /usr/bin/etcd) for the whole session, loopback only;
                     tests isolate themselves with their own key prefix (``store_prefix``).
 * ``etcd_private``  a fresh etcd for one test, for tests that kill and restart it
-                    (``.kill()``, ``.start()``, ``.restart()``: same ports, same data dir).
-* ``etcd_factory``  ``start(tls=None)`` -> another fresh etcd, stopped after the test.
+                    (``.kill()``, ``.start()``, ``.restart()``: same ports, same data dir;
+                    ``.pause()``/``.resume()``: SIGSTOP/SIGCONT, a stalled server).
+* ``etcd_factory``  ``start(tls=None, host=...)`` -> another fresh etcd, stopped after the
+                    test (``host``: the address clients use; it also serves loopback).
 * ``etcd_certs``    a folder with a throw-away CA, server and client certificates.
 * ``store_url``     parametrised: an embedded file under tmp_path, then the session etcd.
 * ``store_prefix``  a cluster prefix unique to the test.
@@ -46,21 +48,26 @@ class EtcdServer:
     makes the client port speak TLS and require a client certificate.
     """
 
-    def __init__(self, data_dir: str | Path, tls: Path | None = None) -> None:
+    def __init__(self, data_dir: str | Path, tls: Path | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.data_dir = Path(data_dir)
         self.tls = tls
+        self.host = host  # clients' address (also served on loopback)
         self.client_port, self.peer_port = _free_port(), _free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
+        return f"etcd://{self.host}:{self.client_port}"
 
     def start(self, timeout: float = 30.0) -> EtcdServer:
-        client = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
+        scheme = "https" if self.tls else "http"
+        client = f"{scheme}://127.0.0.1:{self.client_port}"
+        advertised = f"{scheme}://{self.host}:{self.client_port}"
+        listen = client if self.host == "127.0.0.1" else f"{client},{advertised}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [ETCD, "--name", "pollux-test", "--data-dir", str(self.data_dir / "etcd"),
-               "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-client-urls", listen, "--advertise-client-urls", advertised,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"pollux-test={peer}",
                "--heartbeat-interval", "50", "--election-timeout", "500",
@@ -96,8 +103,18 @@ class EtcdServer:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP: the server hangs (connections stay open, nothing is answered)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused server cannot terminate
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
@@ -130,12 +147,12 @@ def make_certs(folder: Path) -> Path:
     return folder
 
 
-def start_etcd(data_dir: Path, tls: Path | None = None) -> EtcdServer:
+def start_etcd(data_dir: Path, tls: Path | None = None, host: str = "127.0.0.1") -> EtcdServer:
     """Start an ``EtcdServer`` under ``data_dir`` (skips the test if etcd is missing)."""
     if not os.access(ETCD, os.X_OK):
         pytest.skip("etcd is not installed (scripts/test.sh installs Debian's etcd-server)")
     for attempt in range(3):  # a free port may be taken between choosing and binding
-        server = EtcdServer(data_dir / f"try{attempt}", tls)
+        server = EtcdServer(data_dir / f"try{attempt}", tls, host)
         server.data_dir.mkdir(parents=True)
         try:
             return server.start()
@@ -160,8 +177,8 @@ def etcd_factory(tmp_path):
     """``start(tls=None)``: a fresh etcd for this test (TLS with ``etcd_certs``)."""
     servers: list[EtcdServer] = []
 
-    def start(tls: Path | None = None) -> EtcdServer:
-        servers.append(start_etcd(tmp_path / f"etcd{len(servers)}", tls))
+    def start(tls: Path | None = None, host: str = "127.0.0.1") -> EtcdServer:
+        servers.append(start_etcd(tmp_path / f"etcd{len(servers)}", tls, host))
         return servers[-1]
     yield start
     for server in servers:

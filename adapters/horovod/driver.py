@@ -109,7 +109,7 @@ class HorovodDriver(JobDriver):
         self.argv = self.command(alloc, str(script))
         self.group.command = self.argv
         try:
-            self.group.start(DRIVER_ID, self.ctx.job_env(self.spec.name))
+            self.group.start(DRIVER_ID, self.ctx.job_env(self.spec))
         except OSError:
             self._cleanup()
             self.done = True

@@ -28,12 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow several multi-node jobs to share a node")
     parser.add_argument("--lease-ttl", type=float, default=10.0,
                         help="leadership lease; a standby takes over this long after a crash")
+    parser.add_argument("--node-grace", type=float, default=40.0, metavar="S",
+                        help="seconds a node may be missing from the store (agent dead, or "
+                        "its lease lost in a store outage) before its jobs are moved; make "
+                        "it outlast the store stalls to ride out (default 40)")
     parser.add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
+    if not args.node_grace >= 0:
+        raise ValueError("--node-grace must be a number of seconds >= 0")
     if args.fairness == 0:
         raise ValueError("--fairness must not be 0 (use e.g. -1 for fair, 1 for plain sum)")
     policy = make_policy(args.policy, p=args.fairness, delta=args.realloc_delay,
@@ -44,5 +50,6 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     logging.info("serving %s with policy %s every %.0f s", url, policy.name, args.interval)
     with store:
-        Coordinator(store, policy, interval=args.interval, lease_ttl=args.lease_ttl).serve(stop)
+        Coordinator(store, policy, interval=args.interval, lease_ttl=args.lease_ttl,
+                    node_grace=args.node_grace).serve(stop)
     return 0

@@ -4,13 +4,23 @@ Protocol (keys in ``pollux_launch.keys``):
 
 1. Leadership: candidates race to ``create`` ``coordinator/leader`` under a lease; the
    winner keeps the lease alive, the others wait for the key to vanish. Any number may
-   run (active/standby); killing the active one hands over within the lease TTL.
+   run (active/standby); killing the active one hands over within the lease TTL. A
+   leader value held by no lease (written by hand, or restored from a backup) would
+   never vanish: a candidate deletes it, by compare-and-swap, and campaigns.
 2. A round: read ``nodes/*`` and ``jobs/*/{spec,status,hints,allocation}``; build one
    ``JobInfo`` per unfinished job; ``policy.optimize``; for each job whose placement
    changed, write ``Allocation(version + 1, ...)``. The writes are one transaction
    conditioned on still holding leadership, so a deposed leader never writes.
 3. Rounds run every ``interval`` seconds and at once (after ``settle`` seconds, to batch
    bursts) when a job is submitted or finishes, or a node joins or leaves.
+
+Nodes are presumed dead only after a grace period (``node_grace``, like Kubernetes'
+node monitor grace period): a node whose record vanished - its agent died, or its lease
+lapsed in a store stall - keeps its running replicas (no new ones) until it has been
+missing for ``node_grace`` seconds *of this coordinator reading the store*: time in
+which the coordinator itself could not reach the store does not count, and a freshly
+started coordinator gives the nodes its jobs are allocated on the same grace before it
+moves anything.
 
 Nothing durable lives here: a restarted coordinator re-reads everything, and running
 jobs are not disturbed because unchanged placements are not rewritten.
@@ -33,10 +43,11 @@ from .. import keys
 from ..messages import Allocation, JobHints, JobSpec, JobStatus, MessageError, NodeInfo, decode
 from ..messages import encode as encode_msg
 from ..policy import Policy, PolicyNode
-from ..rendezvous.store import Compare, KeyValue, Put, Store, StoreError
+from ..rendezvous.store import Compare, Delete, KeyValue, Put, Store, StoreError
 from .jobs import SpeedupFn, job_info, model_speedup
 
 log = logging.getLogger(__name__)
+_DEAD = -float("inf")  # the missing-since mark of a node presumed dead
 
 
 @dataclass
@@ -59,8 +70,14 @@ class Coordinator:
         settle: float = 0.5,
         clock: Callable[[], float] = time.time,
         name: str | None = None,
+        node_grace: float = 40.0,
     ) -> None:
         self.store, self.policy, self.interval = store, policy, interval
+        self.node_grace = node_grace
+        self._known: dict[str, NodeInfo] = {}  # every node seen, as last seen
+        self._missing: dict[str, float] = {}  # node -> since when it is missing
+        self._store_lost = False  # a store call failed since the last good read
+        self._deposed = False  # a guarded write found another leader's value
         self.lease_ttl, self.settle, self.clock = lease_ttl, settle, clock
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.rounds = 0
@@ -70,11 +87,12 @@ class Coordinator:
     # -- one round -------------------------------------------------------------------
     def schedule_once(self) -> dict[str, Allocation]:
         """Run one scheduling round; returns the allocations it wrote."""
-        nodes = self._read_nodes()
+        present = self._read_nodes()
         jobs = self._read_jobs()
         now = self.clock()
         active = [n for n, v in sorted(jobs.items())
                   if v.spec is not None and not (v.status and v.status.finished)]
+        nodes = self._with_grace(present, [jobs[n].allocation for n in active], now)
         names = [n.name for n in nodes]
         current = np.zeros((len(active), len(nodes)), dtype=int)
         for j, name in enumerate(active):
@@ -103,6 +121,7 @@ class Coordinator:
                      if self._lease else [])
             if not self.store.txn(guard, ops):
                 log.warning("coordinator %s lost leadership; round discarded", self.name)
+                self._deposed = True
                 return {}
             for name, alloc in sorted(writes.items()):
                 log.info("allocation %s v%d: %s", name, alloc.version, _describe(alloc))
@@ -118,6 +137,40 @@ class Coordinator:
             cached = (stamp, model_speedup(view.hints) if view.hints else None)
             self._memo[name] = cached
         return cached[1]
+
+    def _with_grace(self, present: list[NodeInfo], allocs: list[Allocation | None],
+                    now: float) -> list[NodeInfo]:
+        """``present`` plus the missing nodes still within their grace period, offered
+        with only the slots their jobs hold there (they keep them; nothing new goes
+        there). Missing time counts only while this coordinator reads the store."""
+        held: dict[str, int] = {}
+        for alloc in allocs:
+            for node in alloc.nodes if alloc else ():
+                held[node] = held.get(node, 0) + 1
+        if self._store_lost:  # we could not look: nobody was seen missing meanwhile
+            self._missing = {n: now if t > _DEAD else t for n, t in self._missing.items()}
+            self._store_lost = False
+        names = {n.name for n in present}
+        for node in present:
+            self._known[node.name] = node
+            if self._missing.pop(node.name, None) is not None:
+                log.info("node %s is back", node.name)
+        out = list(present)
+        for name in sorted((set(self._known) | set(held)) - names):
+            since = self._missing.setdefault(name, now)
+            if since == now:
+                log.warning("node %s is missing; its jobs keep it for %.0f s", name,
+                            self.node_grace)
+            if now - since < self.node_grace:
+                if held.get(name):
+                    out.append(NodeInfo(name, held[name], self._known.get(
+                        name, NodeInfo(name, 0)).address, now))
+                continue
+            if since > _DEAD:
+                log.warning("node %s missing for %.0f s: presumed dead", name, now - since)
+            self._known.pop(name, None)
+            self._missing[name] = _DEAD  # logged once; forgotten when it returns
+        return sorted(out, key=lambda n: n.name)
 
     def _read_nodes(self) -> list[NodeInfo]:
         nodes = []
@@ -151,6 +204,7 @@ class Coordinator:
                     self.store.wait(keys.LEADER, rev, timeout=min(1.0, self.lease_ttl / 3))
             except StoreError as exc:
                 log.warning("coordinator: store problem (%s); retrying", exc)
+                self._store_lost = True
                 stop.wait(1.0)
         self._resign()
 
@@ -161,6 +215,12 @@ class Coordinator:
             log.info("coordinator %s is the leader", self.name)
             return True
         self.store.lease_revoke(lease)
+        held = self.store.get(keys.LEADER)
+        if held is not None and held.lease == 0:  # nobody keeps it alive: it never ends
+            log.warning("coordinator/leader holds %r under no lease; taking over",
+                        held.value[:80])
+            self.store.txn([Compare(keys.LEADER, "mod_revision", "==", held.mod_revision)],
+                           [Delete(keys.LEADER)])
         return False
 
     def _lead(self, stop: threading.Event) -> None:
@@ -168,7 +228,8 @@ class Coordinator:
         try:
             next_round = 0.0
             rev = self.store.revision()
-            while not stop.is_set() and not keeper.expired.is_set():
+            self._deposed = False
+            while not stop.is_set() and not keeper.expired.is_set() and not self._deposed:
                 if self.clock() >= next_round:
                     rev = self.store.revision()
                     self.schedule_once()
@@ -182,6 +243,8 @@ class Coordinator:
                     next_round = 0.0
         finally:
             keeper.stop()
+            if self._deposed:  # someone else's value holds the key: campaign again
+                self._resign()
 
     def _resign(self) -> None:
         if self._lease:

@@ -15,6 +15,7 @@ import threading
 import time
 
 from ..messages import NodeInfo
+from ..rendezvous.network import advertised_address, interface_of
 from . import security
 from .node_agent import NodeAgent
 from .run import local_slots_default
@@ -27,7 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=int, default=None,
                         help="workers this node can run (default: its GPUs, else CPU cores)")
     parser.add_argument("--address", default=None,
-                        help="address other nodes reach this one at (default: resolved hostname)")
+                        help="address other nodes reach this one at (default: this host's "
+                        "address on the route to the store)")
+    parser.add_argument("--network-interface", default=None, metavar="NIC",
+                        help="interface the workers' transports (gloo, NCCL sockets) bind "
+                        "(default: the one carrying --address)")
     parser.add_argument("--secret-file", help="cluster secret (or $POLLUX_SECRET)")
     parser.add_argument("--output-filename", help="directory for per-worker logs")
     parser.add_argument("--lease-ttl", type=float, default=5.0, help="registration lease")
@@ -43,21 +48,20 @@ def run(args: argparse.Namespace) -> int:
     secret = security.load_secret(args.secret_file)
     if secret is None:
         logging.warning("no cluster secret set: this agent runs any job in the store")
-    address = args.address or _address()
     store, url = open_from_args(args)
+    address = args.address or advertised_address(store)
+    if args.network_interface and interface_of(address) not in (None, args.network_interface):
+        logging.warning("--network-interface %s does not carry --address %s",
+                        args.network_interface, address)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     node = NodeInfo(args.node_name, slots, address, time.time())
-    logging.info("node %s: %d slots at %s, store %s", node.name, slots, address, url)
+    nic = args.network_interface or interface_of(address) or "(none found: transports default)"
+    logging.info("node %s: %d slots at %s (interface %s), store %s", node.name, slots, address,
+                 nic, url)
     with store:
         NodeAgent(store, node, url, args.store_prefix, secret=secret,
-                  output_dir=args.output_filename, lease_ttl=args.lease_ttl).serve(stop)
+                  output_dir=args.output_filename, lease_ttl=args.lease_ttl,
+                  ifname=args.network_interface).serve(stop)
     return 0
-
-
-def _address() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

@@ -25,8 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
+from .. import env as envvars
 from .. import keys
 from ..messages import Allocation, JobSpec, MessageError, NodeInfo, decode
+from ..rendezvous.network import transport_env
 from ..rendezvous.store import Store
 from .workers import ExitKind, WorkerGroup, classify_exit
 
@@ -35,13 +37,9 @@ if TYPE_CHECKING:
 
 Side = Literal["node", "launcher"]
 
-# Environment a job's processes are started with (read by pollux_launch.adapters and the agent).
-ENV_STORE = "POLLUX_STORE"
-ENV_PREFIX = "POLLUX_STORE_PREFIX"
-ENV_JOB = "POLLUX_JOB"
-ENV_NODE = "POLLUX_NODE"
-ENV_WORKER_ID = "POLLUX_WORKER_ID"
-ENV_ADDR = "POLLUX_ADDR"
+# Environment a job's processes are started with (defined in pollux_launch.env).
+ENV_STORE, ENV_PREFIX, ENV_JOB = envvars.STORE, envvars.PREFIX, envvars.JOB
+ENV_NODE, ENV_WORKER_ID, ENV_ADDR = envvars.NODE, envvars.WORKER_ID, envvars.ADDR
 
 # driver name -> "module:Class"; framework -> driver name (others run as "replicas")
 DRIVERS: dict[str, str] = {
@@ -64,12 +62,19 @@ class DriverContext:
     stdout: IO[str] | None = None
     options: LaunchOptions | None = None  # the launching pollux-run's flags (launcher side)
     local: bool = False  # single-machine mode: every host is this one
+    ifname: str | None = None  # the operator's interface for this node (else: from address)
+    runtime_dir: str | None = None  # the agent's private folder (workers' exit files)
 
-    def job_env(self, job: str) -> dict[str, str]:
-        """The ``POLLUX_*`` variables every process of ``job`` gets; and, as torchrun
-        does, one node's share of OpenMP threads per slot unless the user set it."""
-        env = {ENV_STORE: self.store_url, ENV_PREFIX: self.store_prefix, ENV_JOB: job,
+    def job_env(self, spec: JobSpec) -> dict[str, str]:
+        """The ``POLLUX_*`` variables every process of ``spec``'s job gets; the
+        transports bound to this node's interface (the agent's ``--network-interface``,
+        else the job's, else the one carrying the node's address); and, as torchrun does,
+        one node's share of OpenMP threads per slot unless the user set it."""
+        env = {ENV_STORE: self.store_url, ENV_PREFIX: self.store_prefix, ENV_JOB: spec.name,
                ENV_NODE: self.node.name, ENV_ADDR: self.node.address}
+        if self.ifname or not any(k in spec.env or k in os.environ
+                                  for k in envvars.TRANSPORT_IFNAME):
+            env.update(transport_env(self.node.address, self.ifname))
         if "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, self.node.slots)))
         return env
@@ -144,9 +149,29 @@ class ReplicaDriver(JobDriver):
         running = len(self.group.alive())
         for local_rank in range(running, self._want(alloc)):
             worker_id = f"{self.ctx.node.name}-{uuid.uuid4().hex[:8]}"
-            self.group.start(worker_id, {**self.ctx.job_env(self.spec.name),
-                                         **self._torch_env(alloc, local_rank),
-                                         ENV_WORKER_ID: worker_id})
+            extra = {**self.ctx.job_env(self.spec), **self._torch_env(alloc, local_rank),
+                     ENV_WORKER_ID: worker_id}
+            if self.ctx.runtime_dir:
+                extra[envvars.EXIT_FILE] = self._exit_file(worker_id)
+            self.group.start(worker_id, extra)
+
+    def _exit_file(self, worker_id: str) -> str:
+        return os.path.join(self.ctx.runtime_dir or "", f"{worker_id}.exit")
+
+    def _departed(self, worker_id: str) -> bool:
+        """Whether the worker said it left because a new round formed without it (the
+        rendezvous writes its exit file): then exit 0 is a departure, never the job's
+        success, whatever the allocation says by the time it is reaped."""
+        if not self.ctx.runtime_dir:
+            return False
+        path = self._exit_file(worker_id)
+        try:
+            with open(path) as f:
+                said = f.read(64).strip()
+            os.unlink(path)
+        except OSError:
+            return False
+        return said == "departed"
 
     def _torch_env(self, alloc: Allocation | None, local_rank: int) -> dict[str, str]:
         """torchrun's variables for the allocation a worker starts in, so that a script
@@ -180,7 +205,9 @@ class ReplicaDriver(JobDriver):
         # read the allocation afresh: a worker that left because of a rescale exited
         # after the new allocation was written, perhaps after the caller's last read
         still_allocated = self._want(allocation()) > len(self.group.alive())
-        return [ProcessExit(w.worker_id, code, classify_exit(code, still_allocated))
+        said = {w.worker_id: self._departed(w.worker_id) for w, _ in ended}
+        return [ProcessExit(w.worker_id, code,
+                            classify_exit(code, still_allocated and not said[w.worker_id]))
                 for w, code in ended]
 
     def alive(self) -> bool:

@@ -3,7 +3,10 @@
 Protocol (keys in ``pollux_launch.keys``):
 
 * Registers ``nodes/<node>`` (``NodeInfo``) under a lease kept alive from a thread; when
-  the agent dies the lease lapses and the coordinator moves the node's jobs elsewhere.
+  the agent dies the lease lapses and, after its grace period, the coordinator moves the
+  node's jobs elsewhere. A lease lost to a store outage is re-granted and the record
+  put again. In local mode every ``pollux-run`` on the machine shares ONE record: the
+  first creates it under its lease, the others re-create it when that one ends.
 * Reconciles every ``poll`` seconds and on store changes: each unfinished job is run by
   the driver of its framework (:mod:`.drivers`), if that driver's side is one this agent
   plays: a node agent (``sides={"node"}``) keeps one worker per replica the allocation
@@ -23,6 +26,8 @@ Protocol (keys in ``pollux_launch.keys``):
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -72,6 +77,7 @@ class NodeAgent:
         sides: Collection[Side] = ("node",),
         launch_options: LaunchOptions | None = None,
         local: bool = False,
+        ifname: str | None = None,
     ) -> None:
         """``sides``: which drivers this agent runs (``"node"``: it registers the node and
         runs per-replica workers; ``"launcher"``: it runs the framework drivers of the
@@ -81,13 +87,16 @@ class NodeAgent:
         self.only_jobs, self.output_dir, self.stdout = only_jobs, output_dir, stdout
         self.lease_ttl, self.poll, self.clock = lease_ttl, poll, clock
         self.sides = frozenset(sides)
+        self.local = local
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"pollux-agent-{node.name}-")
         self.context = DriverContext(store, store_url, store_prefix, node, output_dir, stdout,
-                                     launch_options, local)
+                                     launch_options, local, ifname, self.runtime_dir)
         self.drivers: dict[str, JobDriver] = {}
         self.exits: list[tuple[str, str, int]] = []  # (job, worker id, code), for callers
         self._refused: set[str] = set()
         self._finishing: dict[str, float] = {}  # job -> when to stop waiting for the rest
         self._lease = 0
+        self._owns_node = False
 
     @property
     def registers(self) -> bool:
@@ -95,14 +104,28 @@ class NodeAgent:
 
     # -- registration ----------------------------------------------------------------
     def register(self) -> None:
+        if self._lease:
+            self._keeper.stop()
         self._lease = self.store.lease_grant(self.lease_ttl)
-        self.store.put(keys.node(self.node.name), encode(self.node), lease=self._lease)
         self._keeper = self.store.keep_alive(self._lease, self.lease_ttl / 3)
+        self._put_node()
+
+    def _put_node(self) -> None:
+        key, value = keys.node(self.node.name), encode(self.node)
+        if self.local:  # shared by the machine's launchers: whoever finds it missing
+            self._owns_node = self.store.create(key, value, lease=self._lease)
+        else:  # this agent is the node's one agent: its record replaces a stale one
+            self.store.put(key, value, lease=self._lease)
+            self._owns_node = True
 
     def _ensure_registered(self) -> None:
-        if self.registers and (not self._lease or self._keeper.expired.is_set()):
+        if not self.registers:
+            return
+        if not self._lease or self._keeper.expired.is_set():
             log.warning("node %s: lease lost; registering again", self.node.name)
             self.register()
+        elif not self._owns_node and self.store.get(keys.node(self.node.name)) is None:
+            self._put_node()  # the launcher that held the shared record has ended
 
     # -- reconciliation --------------------------------------------------------------
     def step(self) -> None:
@@ -136,9 +159,13 @@ class NodeAgent:
             try:
                 driver.reconcile(alloc)
             except OSError as exc:
+                log.error("job %s: cannot start %r in %r: %s", name, spec.command[0],
+                          spec.workdir, exc.strerror or exc)
                 self._set_status(name, JobStatus(
-                    "failed", 127, f"cannot start {spec.command[0]!r}: {exc.strerror or exc}",
-                    self.clock()))
+                    "failed", 127, f"cannot start {spec.command[0]!r} in {spec.workdir!r} on "
+                    f"node {self.node.name}: {exc.strerror or exc}; every node runs a job's "
+                    "command at the path and in the working directory it had where it was "
+                    "submitted", self.clock()))
                 continue
             if driver.alive() and (status is None or status.state == "pending"):
                 self._set_status(name, JobStatus("running", None, "", self.clock()))
@@ -229,6 +256,7 @@ class NodeAgent:
     def drain(self) -> None:
         for driver in self.drivers.values():
             driver.stop(grace=10.0)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
         if self._lease:
             self._keeper.stop()
             try:

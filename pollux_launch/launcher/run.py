@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -36,6 +37,7 @@ from .. import keys
 from ..coordinator.service import Coordinator
 from ..messages import JobHints, JobSpec, JobStatus, MessageError, NodeInfo, decode, encode
 from ..policy import DEFAULT_POLICY, make_policy
+from ..rendezvous.network import advertised_address
 from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
 from . import security
 from .drivers import driver_class
@@ -105,7 +107,7 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
                               local=True)
             services = [(coordinator.serve, "coordinator"), (agent.serve, "node-agent")]
         elif driver.side == "launcher":  # this process runs the job's driver, no node
-            here = NodeInfo(socket.gethostname(), 0, _address(), time.time())
+            here = NodeInfo(socket.gethostname(), 0, advertised_address(store), time.time())
             agent = NodeAgent(store, here, url, opts.store_prefix, secret=secret,
                               only_jobs={spec.name}, output_dir=opts.output_filename,
                               stdout=stdout, sides=("launcher",), launch_options=opts)
@@ -133,13 +135,28 @@ def _spec(opts: LaunchOptions, local: bool) -> JobSpec:
     if opts.network_interface:
         env["GLOO_SOCKET_IFNAME"] = env["HOROVOD_GLOO_IFACE"] = opts.network_interface
     env["POLLUX_LOG_LEVEL"] = opts.log_level
-    if local:  # `python` in the command means the interpreter pollux-run runs in, as in a venv
-        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    # `python` in the command means the interpreter pollux-run runs in, as in a venv
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    command = opts.command if local else resolve_command(opts.command, env["PATH"])
     return JobSpec(
-        name=opts.job_name, command=opts.command, framework=opts.framework,
+        name=opts.job_name, command=command, framework=opts.framework,
         initial_replicas=opts.np, min_replicas=opts.min_np, max_replicas=opts.max_np,
         submit_time=time.time(), workdir=os.getcwd(), env=env,
     )
+
+
+def resolve_command(command: tuple[str, ...], path: str) -> tuple[str, ...]:
+    """The command with its program as an absolute path, resolved here on the submitting
+    host with the job's PATH, so that every node runs the same program (the node agents
+    run it at that path, in the same working directory). Raises ``OptionsError`` (one
+    line) for a program that cannot run here."""
+    program = command[0]
+    found = shutil.which(program, path=path) if os.sep not in program else (
+        program if os.access(program, os.X_OK) and not os.path.isdir(program) else None)
+    if found is None:
+        raise OptionsError(f"command {program!r} is not an executable on this host's PATH; "
+                           "give a program every node can run at the same path")
+    return (os.path.abspath(found), *command[1:])
 
 
 def _submit(store: Store, spec: JobSpec, secret: bytes | None, lease: int) -> None:
@@ -171,6 +188,7 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
     last_line = ""
+    unreachable = False
     try:
         while True:
             if interrupted:
@@ -180,10 +198,17 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
             try:
                 status = _read(store, keys.job(job, "status"), JobStatus)
                 hints = _read(store, keys.job(job, "hints"), JobHints)
-            except StoreError as exc:
-                log.warning("store unavailable (%s); retrying", exc)
+                rev = store.revision()
+            except StoreError as exc:  # e.g. etcd restarting: keep following the job
+                if not unreachable:
+                    print(f"[pollux] {job}: store unreachable ({exc}); still following",
+                          file=stdout, flush=True)
+                unreachable = True
                 time.sleep(1.0)
                 continue
+            if unreachable:
+                print(f"[pollux] {job}: store reachable again", file=stdout, flush=True)
+                unreachable = False
             if status is not None and status.finished:
                 code = status.exit_code if status.exit_code is not None else 1
                 detail = f" ({status.message})" if status.message else ""
@@ -194,17 +219,13 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
             if line != last_line:
                 print(f"[pollux] {job}: {line}", file=stdout, flush=True)
                 last_line = line
-            store.wait(keys.job(job), store.revision(), timeout=1.0)
+            try:
+                store.wait(keys.job(job), rev, timeout=1.0)
+            except StoreError:  # reported by the next read if it persists
+                time.sleep(0.2)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _address() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def _read(store: Store, key: str, cls):

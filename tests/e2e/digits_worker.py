@@ -4,7 +4,7 @@ Trains with the native adapter. Every optimiser step costs at least --step-delay
 per 32 samples of its per-replica batch (so the job scales near-linearly on a busy 2-core
 machine and the policy has a reason to move GPUs). Logs one JSON line per step to
 $LOG_DIR/<worker>.jsonl and ends once --stop-file exists and validation accuracy reached
---target.
+--target, or after --epochs epochs.
 """
 
 import argparse
@@ -26,6 +26,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--stop-file", required=True)
 parser.add_argument("--target", type=float, default=0.9)
 parser.add_argument("--step-delay", type=float, default=0.05)
+parser.add_argument("--epochs", type=int, default=10_000, help="end after this many epochs")
 args = parser.parse_args()
 
 log = open(Path(os.environ["LOG_DIR"]) / f"{os.environ['POLLUX_WORKER_ID']}.jsonl", "a")
@@ -38,13 +39,13 @@ loader = pollux.AdaptiveDataLoader(train_set, batch_size=32, max_batch_size=256,
                                    local_bsz_bounds=(8, 64))
 trainer = pollux.ElasticTrainer(model, optimizer, loader, report_interval=1.0, decide_every=5)
 acc = 0.0
-for _ in trainer.epochs(10_000):
+for epoch in trainer.epochs(args.epochs):
     for x, y in loader:
         t0 = time.monotonic()
         if trainer.step(F.cross_entropy(trainer.model(x), y)):
             p = job.placement
             log.write(json.dumps({"pid": os.getpid(), "round": p.round, "world": p.world_size,
-                                  "rank": p.rank, "node": os.environ["POLLUX_NODE"],
+                                  "rank": p.rank, "node": os.environ["POLLUX_NODE"], "epoch": epoch,
                                   "step": trainer.steps, "t": time.time()}) + "\n")
             log.flush()
         # compute-bound stand-in: a step costs time in proportion to the per-replica batch
@@ -57,4 +58,5 @@ for _ in trainer.epochs(10_000):
     if stop.item():
         break
 if job.placement.rank == 0:
-    print(f"final val_acc {acc:.4f}", flush=True)
+    print(f"final val_acc {acc:.4f} statistical epochs {trainer.agent.progress.epochs():.2f}",
+          flush=True)

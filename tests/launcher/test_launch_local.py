@@ -101,3 +101,33 @@ def test_plain_torch_script_gets_torchrun_environment(tmp_path, store_url):
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(line.split(":", 1)[1] for line in out.stdout.splitlines()
                   if "<stdout>:rank" in line) == ["rank 0 0 sum 3.0", "rank 1 1 sum 3.0"]
+
+
+def test_two_local_jobs_share_the_machine_and_the_second_ends_first(tmp_path, store_url):
+    """Both launchers serve one node record for this machine: when the second job ends
+    (its launcher, lease and agent gone), the first keeps its node and finishes."""
+    import time
+
+    (tmp_path / "wait.py").write_text(
+        "import os, sys, time\n"
+        "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.1)\n"
+        "print('done', os.environ['POLLUX_JOB'], flush=True)\n")
+    first = subprocess.Popen([POLLUX_RUN, "--store", store_url, "--job-name", "first", "-np",
+                              "1", PYTHON, "wait.py", str(tmp_path / "first.go")],
+                             cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        with open_store(store_url) as store:
+            deadline = time.time() + 60
+            while time.time() < deadline and not store.get(keys.job("first", "allocation")):
+                time.sleep(0.2)
+            second = run(["--store", store_url, "--job-name", "second", "-np", "1", PYTHON,
+                          "-c", "print('quick')"], tmp_path)
+            assert second.returncode == 0, second.stdout + second.stderr
+            time.sleep(3)  # rounds run without the second launcher's agent and lease
+            assert store.get(keys.node(os.uname().nodename)) is not None
+            (tmp_path / "first.go").touch()
+            out, _ = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 0, out
+    assert "<stdout>:done first" in out and "first: succeeded, exit code 0" in out

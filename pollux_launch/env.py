@@ -1,0 +1,22 @@
+"""The environment a job's processes are started with: the one definition of each name.
+
+Set by the node agent (``pollux_launch.launcher.drivers``) for every worker, read by the
+rendezvous, the adapters and the agent. The torch variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are torchrun's
+contract and keep torchrun's meaning.
+"""
+
+from __future__ import annotations
+
+STORE = "POLLUX_STORE"  # the store URL (never with a password: see store_args)
+PREFIX = "POLLUX_STORE_PREFIX"  # the cluster's key prefix
+JOB = "POLLUX_JOB"  # the job's name
+NODE = "POLLUX_NODE"  # the node this worker runs on
+WORKER_ID = "POLLUX_WORKER_ID"  # this worker's id, unique in the job
+ADDR = "POLLUX_ADDR"  # the address peers reach this node at (its agent's --address)
+EXIT_FILE = "POLLUX_EXIT_FILE"  # where the worker tells its agent why it is leaving
+LOG_LEVEL = "POLLUX_LOG_LEVEL"
+
+# The transports' own variables, set per node from the interface that carries ADDR
+# (pollux_launch.rendezvous.network): gloo, NCCL's bootstrap sockets, Horovod's gloo.
+TRANSPORT_IFNAME = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE")

@@ -1,0 +1,100 @@
+"""Faults injected for real into a two-node cluster on a real etcd: the store stalls
+(SIGSTOP) or restarts, the leader key is overwritten. Each test asserts that the services
+lived through it, that the job trained all its epochs without starting over, that its
+status and exit code told the truth, and that no process was left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+from cluster import POLLUX_RUN, Cluster
+
+from pollux_launch import keys
+
+EPOCHS = 12
+
+
+@pytest.fixture
+def cluster(etcd_private, tmp_path):
+    c = Cluster(etcd_private.url, tmp_path)
+    c.etcd = etcd_private
+    yield c
+    c.close()
+
+
+def _start(cluster: Cluster, job: str) -> subprocess.Popen:
+    cluster.coordinator()
+    cluster.agent("n1", 1)
+    cluster.agent("n2", 1)
+    cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 2, 60, "two nodes")
+    proc = cluster.submit(job, "-np", "2", "--min-np", "2", "--max-np", "2", target=0.0,
+                          epochs=EPOCHS)
+    cluster.wait(lambda: sum(s["world"] == 2 for s in cluster.steps()) >= 20, 120,
+                 "the job training on both nodes")
+    return proc
+
+
+def _assert_finished_whole(cluster: Cluster, job: str, proc: subprocess.Popen) -> None:
+    assert proc.wait(timeout=240) == 0, cluster.log(job)[-3000:]
+    assert f"{job}: succeeded, exit code 0" in cluster.log(job)
+    status = cluster.status(job)
+    assert status is not None and status.state == "succeeded" and status.exit_code == 0
+    agents = cluster.log("agent-n1") + cluster.log("agent-n2")
+    finals = [line for line in agents.splitlines() if "final val_acc" in line]
+    assert len(finals) == 1, finals  # rank 0 ended the job once, having trained every epoch
+    assert float(finals[0].rsplit(" ", 1)[1]) >= EPOCHS
+    assert cluster.epochs_lost() == 0
+    for name in ("coordinator", "agent-n1", "agent-n2"):
+        assert cluster.procs[name].poll() is None, f"{name} died:\n{cluster.log(name)[-2000:]}"
+    cluster.wait(lambda: not cluster.workers_left(), 30, "no worker left behind")
+    out = subprocess.run([POLLUX_RUN, "status", "--store", cluster.url], capture_output=True,
+                         text=True, timeout=60)
+    assert job in out.stdout and "succeeded" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("stall", [20, 40])
+def test_etcd_stall_is_ridden_out(cluster, stall):
+    """SIGSTOP etcd longer than every lease: leases lapse on SIGCONT, but no node is
+    presumed dead for it, no worker leaves, and the job is not reported done early."""
+    job = f"stall{stall}"
+    proc = _start(cluster, job)
+    cluster.etcd.pause()
+    time.sleep(stall)
+    cluster.etcd.resume()
+    t_back = time.time()
+    cluster.wait(lambda: any(s["t"] > t_back + 2 for s in cluster.steps()), 60,
+                 "training after the stall")
+    assert proc.poll() is None, cluster.log(job)[-3000:]  # not "succeeded" half-way
+    _assert_finished_whole(cluster, job, proc)
+    pids = {s["pid"] for s in cluster.steps()}
+    assert len(pids) == 2, "workers were replaced: training restarted"
+
+
+def test_etcd_kill_and_restart(cluster):
+    """etcd SIGKILLed and restarted on its data dir: the launcher keeps following."""
+    job = "restart"
+    proc = _start(cluster, job)
+    cluster.etcd.kill()
+    time.sleep(8)
+    cluster.etcd.start()
+    _assert_finished_whole(cluster, job, proc)
+    assert "store unreachable" in cluster.log(job)
+
+
+def test_leader_key_overwritten_without_a_lease(cluster):
+    """A leader value no lease keeps alive is taken over; scheduling goes on."""
+    cluster.coordinator()
+    cluster.agent("n1", 1)
+    cluster.agent("n2", 1)
+    cluster.wait(lambda: cluster.store.get(keys.LEADER), 30, "a leader")
+    cluster.store.put(keys.LEADER, json.dumps("somebody-else"))  # no lease
+    time.sleep(3)
+    proc = cluster.submit("after", "-np", "2", "--min-np", "1", "--max-np", "2", target=0.0,
+                          epochs=2)
+    cluster.wait(lambda: len(cluster.allocation("after")) == 2, 60, "the job allocated")
+    assert proc.wait(timeout=180) == 0, cluster.log("after")[-3000:]
+    assert "taking over" in cluster.log("coordinator")
+    assert json.loads(cluster.store.get(keys.LEADER).value) != "somebody-else"
