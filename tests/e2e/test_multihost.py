@@ -64,3 +64,27 @@ def test_torch_job_spans_hosts_grows_onto_a_joining_host_and_survives_losing_it(
     assert [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w] == [1, 2, 1]
     assert cluster.epochs_lost() == 0
     cluster.wait(lambda: not cluster.workers_left(), 30, "no worker left behind")
+
+
+def test_etcd_stall_across_hosts_is_ridden_out(net, cluster):
+    """The store stalls (SIGSTOP) for longer than every lease while a job trains across
+    two hosts: nobody is presumed dead, no worker leaves, the job ends whole."""
+    hosts = {"n1": net.add_host("h1"), "n2": net.add_host("h2")}
+    cluster.coordinator()
+    for node, host in hosts.items():
+        cluster.agent(node, 1, host=host)
+    cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 2, 60, "two nodes")
+    job = cluster.submit("stalled", "-np", "2", "--min-np", "1", "--max-np", "2", target=0.0,
+                         epochs=10)
+    cluster.wait(lambda: sum(s["world"] == 2 for s in cluster.steps()) >= 20, 120,
+                 "the job training across both hosts")
+    cluster.etcd.pause()
+    time.sleep(20)
+    cluster.etcd.resume()
+    assert job.wait(timeout=240) == 0, cluster.log("stalled")[-3000:]
+    assert "stalled: succeeded, exit code 0" in cluster.log("stalled")
+    assert len({s["pid"] for s in cluster.steps()}) == 2  # no worker was replaced
+    assert {s["world"] for s in cluster.steps()} == {2}  # nor removed
+    assert cluster.epochs_lost() == 0
+    for name in ("coordinator", "agent-n1", "agent-n2"):
+        assert cluster.procs[name].poll() is None, cluster.log(name)[-2000:]

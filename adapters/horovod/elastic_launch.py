@@ -1,0 +1,108 @@
+"""``python -m pollux_launch.adapters.horovod.elastic_launch``: Horovod Elastic's driver for
+a job whose hosts are other machines' node agents (what ``horovodrun`` would be, minus ssh).
+
+Run by the launcher-side ``HorovodDriver`` in cluster mode, with the job's ``POLLUX_*``
+environment. It runs Horovod's own elastic gloo launcher (Horovod 0.28.1's
+``launch_gloo_elastic``, the public seam that takes the worker-executing function) with:
+
+* host discovery from the job's allocation in the store (node name -> replicas), read
+  about once a second by Horovod's driver; a store outage keeps the last hosts;
+* :class:`~.tasks.StoreExec` to execute each worker on its node through that node's
+  agent (``jobs/<job>/tasks/``), no ssh;
+* the interface that carries this host's address (its route to the store) for Horovod's
+  rendezvous server; each node agent binds its own workers to its own interface.
+
+Exit status: 0 when every worker completed, 1 when Horovod reports a failed worker (its
+message on stderr), as ``horovodrun`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pollux_launch import env as envvars
+from pollux_launch.messages import Allocation
+from pollux_launch.rendezvous.network import advertised_address, interface_of
+from pollux_launch.rendezvous.store import Store, StoreError, open_store
+
+from .hosts import read_allocation
+from .tasks import StoreExec, env_for_tasks
+
+log = logging.getLogger(__name__)
+
+
+def discovery(store: Store, job: str):
+    """A Horovod ``HostDiscovery`` over the job's allocation (imported lazily)."""
+    from horovod.runner.elastic.discovery import HostDiscovery
+
+    class AllocationDiscovery(HostDiscovery):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last: dict[str, int] = {}
+
+        def find_available_hosts_and_slots(self) -> dict[str, int]:
+            try:
+                alloc: Allocation | None = read_allocation(store, job)
+            except StoreError:  # keep the hosts we knew while the store is away
+                return dict(self.last)
+            hosts: dict[str, int] = {}
+            for node in alloc.nodes if alloc else ():
+                hosts[node] = hosts.get(node, 0) + 1
+            self.last = hosts
+            return dict(hosts)
+
+    return AllocationDiscovery()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, required=True)
+    parser.add_argument("--min-np", type=int, required=True)
+    parser.add_argument("--max-np", type=int, default=None)
+    parser.add_argument("--elastic-timeout", type=int, default=600)
+    parser.add_argument("--reset-limit", type=int, default=None)
+    parser.add_argument("--cooldown-range", type=int, nargs=2, default=None)
+    parser.add_argument("--start-timeout", type=int, default=30)
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s hvd-launch %(message)s")
+
+    from horovod.runner.common.util import secret, timeout
+    from horovod.runner.elastic.settings import ElasticSettings
+    from horovod.runner.gloo_run import launch_gloo_elastic
+    from horovod.runner.http.http_server import RendezvousServer
+
+    store = open_store(os.environ[envvars.STORE], os.environ.get(envvars.PREFIX, "/pollux"))
+    job = os.environ[envvars.JOB]
+    nic = interface_of(advertised_address(store))
+    if nic is None:
+        print("elastic_launch: no interface carries this host's address", file=sys.stderr)
+        return 2
+    settings = ElasticSettings(
+        discovery=discovery(store, job), min_num_proc=args.min_np, max_num_proc=args.max_np,
+        elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit,
+        cooldown_range=args.cooldown_range, num_proc=args.np,
+        verbose=2 if args.verbose else 0, key=secret.make_secret_key(),
+        start_timeout=timeout.Timeout(args.start_timeout, message="Timed out waiting for "
+                                      "{activity}; raise --start-timeout"),
+        output_filename=None, run_func_mode=False, nics={nic},
+        prefix_output_with_timestamp=False)
+    try:
+        launch_gloo_elastic(command, StoreExec(store, job, command), settings,
+                            env_for_tasks(os.environ), lambda driver: {nic},
+                            RendezvousServer(settings.verbose), sys.executable)
+    except RuntimeError as exc:
+        print(f"elastic_launch: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
