@@ -9,6 +9,8 @@
     jobs/<job>/hints              JobHints, refreshed by the job's rank-0 agent
     jobs/<job>/allocation         Allocation, written by the coordinator
     jobs/<job>/rdzv/...           the job's rendezvous rounds (rendezvous/README.md)
+    jobs/<job>/tasks/<task>       WorkerTask: a Horovod worker the job's launcher asks a node for
+    jobs/<job>/exits/<task>       TaskExit, written by the node agent that ran the task
     coordinator/leader            the active coordinator's id, under its lease
 
 Only JSON is stored; see ``pollux_launch.messages``.

@@ -13,6 +13,8 @@ Who writes what (key schema in ``rendezvous/README.md``):
 * ``NodeInfo``   - written by each node agent under a lease.
 * ``JobStatus``  - the job's lifecycle state, written by whoever learns of a change
   (``pollux-run`` or a node agent when workers exit, ``pollux-run cancel``).
+* ``WorkerTask`` / ``TaskExit`` - a Horovod worker a job's launcher asks a node's agent to
+  run, and how it ended (``adapters/horovod/tasks.py``).
 """
 
 from __future__ import annotations
@@ -102,6 +104,24 @@ class NodeInfo:
     slots: int
     address: str = "127.0.0.1"
     timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerTask:
+    """A process a job's launcher-side driver asks one node to run (Horovod's workers):
+    the job's own command, with Horovod's variables for this slot."""
+
+    node: str
+    command: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class TaskExit:
+    """How a ``WorkerTask``'s process ended, written by the node agent that ran it."""
+
+    code: int
 
 
 JOB_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
