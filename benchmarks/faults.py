@@ -1,6 +1,6 @@
 """Faults injected for real into a cluster of two hosts, and what each cost the job.
 
-    python benchmarks/faults.py                    # every fault (about 10 min)
+    python benchmarks/faults.py                    # every fault (about 12 min)
     python benchmarks/faults.py --only etcd_stall_20s worker_sigkill
 
 Two hosts are network namespaces on a bridge (``tests/e2e/hosts.py``; root needed), each
@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -102,12 +104,16 @@ def agent_kill_only_node(run: Run) -> None:
 
 
 def worker_sigkill(run: Run) -> None:
-    import os
-    import signal
-
     c = run.cluster
     victim = max((s for s in c.steps() if s["node"] == "n2"), key=lambda s: s["t"])
     os.kill(victim["pid"], signal.SIGKILL)
+
+
+def host_partition(run: Run) -> None:
+    host = run.hosts["n2"]  # drops off the network without a word for 30 s, then returns
+    host.run(["ip", "link", "set", host.ifname, "down"], check=True)
+    time.sleep(30)
+    host.run(["ip", "link", "set", host.ifname, "up"], check=True)
 
 
 def leader_overwrite(run: Run) -> None:
@@ -126,6 +132,7 @@ FAULTS: dict[str, tuple[tuple[str, ...], Callable[[Run], None]]] = {
     "node_agent_kill_one_of_two": (("n1", "n2"), agent_kill_one_of_two),
     "node_agent_kill_only_node": (("n1",), agent_kill_only_node),
     "worker_sigkill": (("n1", "n2"), worker_sigkill),
+    "host_partition_30s": (("n1", "n2"), host_partition),
     "leader_overwrite": (("n1", "n2"), leader_overwrite),
 }
 
@@ -180,6 +187,8 @@ def main() -> None:
     args = parser.parse_args()
     if not netns_available():
         sys.exit("error: needs root and network namespaces (ip netns) for the two hosts")
+    # SIGTERM ends the run through the normal exits, so the hosts and services are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="pollux-faults-") as tmp, HostNet() as net:
         hosts = {"n1": net.add_host("h1"), "n2": net.add_host("h2")}

@@ -63,6 +63,7 @@ from .rounds import (
     check_name,
     plan_round,
 )
+from .sever import sever
 from .store import (
     Compare,
     Delete,
@@ -215,6 +216,12 @@ class Rendezvous:
         self._alloc_size, self._alloc_seen = 0, 0.0  # latest allocation's replicas, when seen
         self._live: set[str] = set()  # registered workers of the job
         self._dead: set[str] = set()
+        # lost hosts (sever.py): when the watcher's store calls last started succeeding,
+        # each worker's address, and the (round, address) pairs already cut
+        self._store_ok_since: float | None = time.monotonic()
+        self._addr_of: dict[str, str] = {}
+        self._lost: set[str] = set()  # workers whose lease lapsed while we saw the store
+        self._severed: set[tuple[int, str]] = set()
         self._keeper: KeepAlive | None = None
         self._lease = 0
         self._lease_lock = threading.Lock()
@@ -464,9 +471,16 @@ class Rendezvous:
 
     def _vacancy(self, ptr: RoundInfo, state: RoundState, snap: dict[str, KeyValue]) -> bool:
         """Whether formed round ``state`` leaves a replica slot free on this worker's node
-        (after a failure, or when this worker was wrongly presumed dead)."""
+        (after a failure, or when this worker was wrongly presumed dead). A member whose
+        lease is gone holds no slot: its node agent starts a replacement only for a
+        process that really ended."""
         used = 0
-        for w in state.members:
+        for i, w in enumerate(state.members):
+            if self.keys.worker(w) not in snap:
+                continue  # dead (its lease lapsed): its slot is free, e.g. every worker died
+            if state.nodes:
+                used += state.nodes[i] == self.node
+                continue
             kv = snap.get(self.keys.member(ptr.round, w))
             if kv is None or self._decode(Member, kv).node == self.node:
                 used += 1  # unknown counts as used: never over-fill a node
@@ -527,15 +541,19 @@ class Rendezvous:
                     rev = self._full_check()
                     need_full = False
                 events = self.store.wait(self.keys.prefix, rev, self.config.watch_timeout)
+                if self._store_ok_since is None:
+                    self._store_ok_since = time.monotonic()
                 with self._lock:
                     for ev in events:
                         rev = max(rev, ev.revision)
                         self._on_event(ev.kind, ev.key, ev.value)
                     self._update_flag()
+                self._cut_lost_hosts()
             except StoreCompacted:
                 need_full = True
             except StoreError:
                 need_full = True
+                self._store_ok_since = None  # leases lapsing now may be the store's doing
                 self._stop.wait(min(1.0, self.config.watch_timeout))
             except Exception:  # keep the watcher alive whatever a backend throws
                 log.exception("worker %s: rendezvous watcher error", self.worker)
@@ -546,10 +564,13 @@ class Rendezvous:
         rev = self.store.revision()
         found = {kv.key: kv.value for kv in
                  (self.store.get(self.keys.allocation), self.store.get(self.keys.round)) if kv}
-        live = {kv.key for kv in self.store.get_prefix(self.keys.workers)}
+        workers = self.store.get_prefix(self.keys.workers)
+        live = {kv.key for kv in workers}
         with self._lock:
             for key, value in found.items():
                 self._on_event("put", key, value)
+            for kv in workers:
+                self._on_event("put", kv.key, kv.value)
             members = self.info.members if self.info else ()
             self._dead = {w for w in members if self.keys.worker(w) not in live}
             self._live = {key[len(self.keys.workers):] for key in live}
@@ -562,6 +583,15 @@ class Rendezvous:
             name = key[len(k.workers):]
             (self._dead.add if kind == "delete" else self._dead.discard)(name)
             (self._live.discard if kind == "delete" else self._live.add)(name)
+            if kind == "put":
+                self._lost.discard(name)
+                try:
+                    self._addr_of[name] = decode(WorkerInfo, value).addr
+                except MessageError as exc:
+                    log.warning("job %s: ignoring malformed worker record: %s", self.job, exc)
+            elif self._store_ok_since is not None and (
+                    time.monotonic() - self._store_ok_since > self.config.lease_ttl):
+                self._lost.add(name)  # it stopped refreshing while the store answered us
         elif kind != "put":
             return
         elif key == k.allocation:
@@ -577,6 +607,25 @@ class Rendezvous:
                 self._latest_round = max(self._latest_round, decode(RoundInfo, value).round)
             except MessageError as exc:
                 log.warning("job %s: ignoring malformed round record: %s", self.job, exc)
+
+    def _cut_lost_hosts(self) -> None:
+        """A host all of whose members lost their leases while this worker could reach the
+        store is gone: cut this process's connections to it, so that a collective blocked
+        on it fails now instead of after the collective timeout (``sever.py``)."""
+        with self._lock:
+            info = self.info
+            if info is None or not self._lost.intersection(info.members):
+                return
+            by_addr: dict[str, list[str]] = {}
+            for w in info.members:
+                if w != self.worker and w in self._addr_of:
+                    by_addr.setdefault(self._addr_of[w], []).append(w)
+            gone = [a for a, ws in by_addr.items() if a != self.addr
+                    and all(w in self._lost for w in ws) and (info.round, a) not in self._severed]
+            self._severed.update((info.round, a) for a in gone)
+        for addr in gone:
+            log.warning("job %s: every worker at %s lost its lease; cutting %d connection(s) "
+                        "to it", self.job, addr, sever(addr))
 
     def _update_flag(self) -> None:
         """Under the lock: raise the flag if the job has moved past our round."""

@@ -14,14 +14,17 @@ its host list and reads its exit code:
 3. horovodrun's exit code is the job's: 0 succeeded, anything else failed. Workers that
    a reset removed exit 134 inside horovodrun - expected, never a job failure.
 
-Node names map to the addresses the node agents registered (``nodes/<node>``), so that
-Horovod can tell local hosts from remote ones; on one machine (or when every address is
-loopback) it gets ``--network-interface lo``, without which it waits for a second host.
+On one machine (local mode) the driver is ``horovodrun`` itself, with
+``--network-interface lo`` (without it Horovod waits for a second host). On a cluster it
+is :mod:`.elastic_launch`: Horovod's elastic driver with its hosts read from the
+allocation and each worker started by the node agent of its host (:mod:`.tasks`), so no
+ssh is needed and every node binds its own interface.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +51,7 @@ class HorovodDriver(JobDriver):
         self.mirror: HostsFileMirror | None = None
         self.folder: Path | None = None
         self.argv: list[str] = []
-        self.done = False
+        self.started = self.done = False
 
     @classmethod
     def preflight(cls) -> None:
@@ -98,15 +101,40 @@ class HorovodDriver(JobDriver):
             start_timeout=int(opts.start_timeout) if opts else None,
             verbose=bool(opts and opts.verbose), extra_args=extra)
 
+    def launch_command(self, alloc: Allocation) -> list[str]:
+        """Cluster mode: Horovod's elastic driver with workers started by the node
+        agents (:mod:`.elastic_launch`), the user's horovodrun options kept."""
+        spec, opts = self.spec, self.ctx.options
+        hi = spec.max_replicas
+        argv = [sys.executable, "-m", "pollux_launch.adapters.horovod.elastic_launch",
+                "--np", str(min(max(alloc.num_replicas, spec.min_replicas), hi)),
+                "--min-np", str(spec.min_replicas)]
+        if hi < UNBOUNDED:
+            argv += ["--max-np", str(hi)]
+        if opts is not None:
+            argv += ["--elastic-timeout", str(int(opts.elastic_timeout)),
+                     "--start-timeout", str(int(opts.start_timeout))]
+            if opts.reset_limit is not None:
+                argv += ["--reset-limit", str(opts.reset_limit)]
+            if opts.blacklist_cooldown_range:
+                argv += ["--cooldown-range", *(str(v) for v in opts.blacklist_cooldown_range)]
+            if opts.verbose:
+                argv.append("--verbose")
+        return [*argv, "--", *spec.command]
+
     def reconcile(self, alloc: Allocation | None) -> None:
-        if self.mirror is not None or self.done or alloc is None or not alloc.num_replicas:
-            return  # started once; from then on Horovod follows the hosts file
-        self.folder = Path(tempfile.mkdtemp(prefix=f"pollux-hvd-{self.spec.name}-"))
-        hosts = self.folder / "hosts"
-        script = write_discovery_script(self.folder / "discover.sh", hosts)
-        self.mirror = HostsFileMirror(self.ctx.store, self.spec.name, hosts,
-                                      addresses=self.addresses).start()
-        self.argv = self.command(alloc, str(script))
+        if self.started or self.done or alloc is None or not alloc.num_replicas:
+            return  # started once; from then on Horovod follows the allocation
+        self.started = True
+        if self.ctx.local:  # one machine: horovodrun itself, hosts from a discovery script
+            self.folder = Path(tempfile.mkdtemp(prefix=f"pollux-hvd-{self.spec.name}-"))
+            hosts = self.folder / "hosts"
+            script = write_discovery_script(self.folder / "discover.sh", hosts)
+            self.mirror = HostsFileMirror(self.ctx.store, self.spec.name, hosts,
+                                          addresses=self.addresses).start()
+            self.argv = self.command(alloc, str(script))
+        else:
+            self.argv = self.launch_command(alloc)
         self.group.command = self.argv
         try:
             self.group.start(DRIVER_ID, self.ctx.job_env(self.spec))

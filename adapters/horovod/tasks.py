@@ -17,12 +17,20 @@ node agent of that host through the store:
 A node agent runs a task only for a job whose spec it trusts (signed, when the cluster
 has a secret), only with that spec's command, and takes only Horovod's own variables
 (``HOROVOD_*``) from the task: nothing a store writer adds can run anything else.
+
+Horovod 0.28.1 binds ``HOROVOD_GLOO_IFACE`` for its global, local and cross contexts but
+not for the process-set contexts it creates at every ``init`` (``InitializeForProcessSet``
+builds its device from an interface it never set, so gloo falls back to the address the
+host name resolves to). Across hosts, each host's name must therefore resolve to its
+cluster address; the node agent says so once when it does not.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import shlex
+import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -41,10 +49,12 @@ from pollux_launch.messages import (
 )
 from pollux_launch.rendezvous.store import Store, StoreError
 
+from .hosts import read_allocation
+
 log = logging.getLogger(__name__)
 
 # How long a stopped worker's node agent gets to report its exit before the worker is
-# taken for lost with its host (a dead node reports nothing).
+# taken for lost (an agent that is up answers within a poll or two).
 STOP_WAIT = 30.0
 
 
@@ -87,10 +97,18 @@ class StoreExec:
             code = self._exit(task)
             if code is not None:
                 break
+            if self._host_lost(slot_info.hostname):
+                log.warning("worker %s: its node %s is gone; taken for lost", task,
+                            slot_info.hostname)
+                code = 1  # as ssh would report a dead host: Horovod blacklists it and resets
+                break
             if not stopped and any(e.is_set() for e in events or ()):
                 stopped = time.monotonic()  # Horovod stops this worker: the agent ends it
                 self._retry(lambda: self.store.delete(keys.job(self.job, f"tasks/{task}")))
-            if stopped and time.monotonic() - stopped > STOP_WAIT:
+            if stopped and (time.monotonic() - stopped > STOP_WAIT
+                            or not self._node_alive(slot_info.hostname)):
+                # its host is gone (the coordinator's grace period has passed by the time
+                # Horovod drops it) or its agent never answers: the worker is lost with it
                 log.warning("worker %s on %s: no exit reported; taken for lost", task,
                             slot_info.hostname)
                 code = 1
@@ -109,6 +127,21 @@ class StoreExec:
             return 1
         except StoreError:  # unreachable for now: the worker runs on
             return None
+
+    def _node_alive(self, node: str) -> bool:
+        try:
+            return self.store.get(keys.node(node)) is not None
+        except StoreError:
+            return True  # we cannot tell: do not presume it dead
+
+    def _host_lost(self, node: str) -> bool:
+        """The node's agent is gone and the coordinator, after its grace period, took the
+        node out of the job's allocation: nobody will ever report this worker's exit."""
+        try:
+            alloc = read_allocation(self.store, self.job)
+        except StoreError:
+            return False
+        return alloc is not None and node not in alloc.nodes and not self._node_alive(node)
 
     def _retry(self, op: Callable[[], object]) -> None:
         while True:
@@ -129,6 +162,7 @@ class HorovodTaskDriver(JobDriver):
         super().__init__(spec, ctx)
         self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
                                  output_dir=ctx.output_dir, stdout=ctx.stdout)
+        _check_hostname(ctx.node.address)
 
     @classmethod
     def wanted(cls, alloc: Allocation | None, node: str) -> bool:
@@ -185,6 +219,21 @@ class HorovodTaskDriver(JobDriver):
 
     def stop(self, grace: float) -> None:
         self.group.stop(grace=grace)
+
+
+@functools.cache
+def _check_hostname(address: str) -> None:
+    """Warn once when this host's name resolves to loopback but its node does not."""
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        resolved = ""
+    if resolved != address and (resolved.startswith("127.") or not resolved) and \
+            not address.startswith("127."):
+        log.warning("host name %s resolves to %r, not this node's address %s: Horovod 0.28.1 "
+                    "binds that address for its process-set contexts, so Horovod workers "
+                    "here cannot reach other hosts; make it resolve to %s (e.g. /etc/hosts)",
+                    socket.gethostname(), resolved, address, address)
 
 
 def env_for_tasks(base: Mapping[str, str]) -> dict[str, str]:

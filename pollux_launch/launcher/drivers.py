@@ -3,10 +3,11 @@
 * ``replicas`` (:class:`ReplicaDriver`; torch, DeepSpeed): one worker process per
   allocated replica, started by the node agent of the node the allocation names; the
   workers re-form their group themselves (``pollux_launch.rendezvous``).
-* ``horovod`` (``pollux_launch.adapters.horovod.driver.HorovodDriver``): ONE
-  ``horovodrun`` per job, run where the job was launched (horovodrun's semantics);
-  Horovod's elastic driver starts and resets the workers, its host list following the
-  job's allocation.
+* ``horovod`` (``pollux_launch.adapters.horovod.driver.HorovodDriver``): ONE Horovod
+  Elastic driver per job, run where the job was launched (horovodrun's semantics), its
+  host list following the job's allocation; with ``horovod-tasks``
+  (``.tasks.HorovodTaskDriver``) on every node, whose agent starts the workers that
+  driver asks for (no ssh; on one machine ``horovodrun`` itself starts them).
 
 A driver's ``side`` says who runs it: ``"node"`` drivers run in every node agent (for
 the replicas placed on that node), ``"launcher"`` drivers in the ``pollux-run`` that
@@ -41,13 +42,15 @@ Side = Literal["node", "launcher"]
 ENV_STORE, ENV_PREFIX, ENV_JOB = envvars.STORE, envvars.PREFIX, envvars.JOB
 ENV_NODE, ENV_WORKER_ID, ENV_ADDR = envvars.NODE, envvars.WORKER_ID, envvars.ADDR
 
-# driver name -> "module:Class"; framework -> driver name (others run as "replicas")
+# driver name -> "module:Class"; framework -> its drivers, the primary one first (one per
+# side; frameworks not named run as "replicas")
 DRIVERS: dict[str, str] = {
     "replicas": "pollux_launch.launcher.drivers:ReplicaDriver",
     "horovod": "pollux_launch.adapters.horovod.driver:HorovodDriver",
+    "horovod-tasks": "pollux_launch.adapters.horovod.tasks:HorovodTaskDriver",
 }
-FRAMEWORK_DRIVERS: dict[str, str] = {"torch": "replicas", "deepspeed": "replicas",
-                                     "horovod": "horovod"}
+FRAMEWORK_DRIVERS: dict[str, tuple[str, ...]] = {
+    "torch": ("replicas",), "deepspeed": ("replicas",), "horovod": ("horovod", "horovod-tasks")}
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,16 @@ class ReplicaDriver(JobDriver):
         self.group.stop(grace=grace)
 
 
+def driver_classes(framework: str) -> list[type[JobDriver]]:
+    """The drivers that run ``framework``'s jobs, the primary one first (unknown
+    frameworks: one worker per replica)."""
+    out = []
+    for driver in FRAMEWORK_DRIVERS.get(framework, ("replicas",)):
+        module, _, name = DRIVERS[driver].partition(":")
+        out.append(getattr(importlib.import_module(module), name))
+    return out
+
+
 def driver_class(framework: str) -> type[JobDriver]:
-    """The driver that runs ``framework``'s jobs (unknown frameworks: one per replica)."""
-    module, _, name = DRIVERS[FRAMEWORK_DRIVERS.get(framework, "replicas")].partition(":")
-    return getattr(importlib.import_module(module), name)
+    """``framework``'s primary driver (the one ``pollux-run`` preflights)."""
+    return driver_classes(framework)[0]

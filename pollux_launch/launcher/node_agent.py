@@ -47,7 +47,7 @@ from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this mo
     DriverContext,
     JobDriver,
     Side,
-    driver_class,
+    driver_classes,
 )
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class NodeAgent:
         self.runtime_dir = tempfile.mkdtemp(prefix=f"pollux-agent-{node.name}-")
         self.context = DriverContext(store, store_url, store_prefix, node, output_dir, stdout,
                                      launch_options, local, ifname, self.runtime_dir)
-        self.drivers: dict[str, JobDriver] = {}
+        self.drivers: dict[tuple[str, Side], JobDriver] = {}  # (job, side) -> its driver
         self.exits: list[tuple[str, str, int]] = []  # (job, worker id, code), for callers
         self._refused: set[str] = set()
         self._finishing: dict[str, float] = {}  # job -> when to stop waiting for the rest
@@ -133,51 +133,59 @@ class NodeAgent:
         ones and stop those of finished jobs. Reaping first means a worker that just
         finished the job is never replaced."""
         self._reap()
-        jobs = self._read_jobs()
-        for name, (spec, status, alloc, spec_text, signature) in jobs.items():
-            driver = self.drivers.get(name)
+        for name, (spec, status, alloc, spec_text, signature) in self._read_jobs().items():
             if status is not None and status.finished:
-                if driver is not None and driver.alive():
+                mine = self._drivers_of(name)
+                if any(d.alive() for d in mine):
                     log.info("job %s is %s: stopping its processes here", name, status.state)
-                    driver.stop(grace=5.0)
+                    for driver in mine:
+                        driver.stop(grace=5.0)
                 continue
             if spec is None:
                 continue
-            cls = driver_class(spec.framework) if driver is None else type(driver)
-            if cls.side not in self.sides or (
-                    driver is None and not cls.wanted(alloc, self.node.name)):
-                continue
-            if self.secret is not None and not security.verify(spec_text, signature, self.secret):
-                if name not in self._refused:
-                    log.error("job %s: spec not signed with this cluster's secret; not run", name)
-                    self._refused.add(name)
-                continue
-            if driver is None:
-                driver = self.drivers[name] = cls(spec, self.context)
-            if name in self._finishing:
-                continue  # the script completed: replace no process
-            try:
-                driver.reconcile(alloc)
-            except OSError as exc:
-                log.error("job %s: cannot start %r in %r: %s", name, spec.command[0],
-                          spec.workdir, exc.strerror or exc)
-                self._set_status(name, JobStatus(
-                    "failed", 127, f"cannot start {spec.command[0]!r} in {spec.workdir!r} on "
-                    f"node {self.node.name}: {exc.strerror or exc}; every node runs a job's "
-                    "command at the path and in the working directory it had where it was "
-                    "submitted", self.clock()))
-                continue
-            if driver.alive() and (status is None or status.state == "pending"):
-                self._set_status(name, JobStatus("running", None, "", self.clock()))
+            for cls in driver_classes(spec.framework):
+                if cls.side in self.sides:
+                    self._drive(cls, spec, status, alloc, spec_text, signature)
+
+    def _drive(self, cls: type[JobDriver], spec: JobSpec, status: JobStatus | None,
+               alloc: Allocation | None, spec_text: str, signature: str | None) -> None:
+        name = spec.name
+        driver = self.drivers.get((name, cls.side))
+        if driver is None and not cls.wanted(alloc, self.node.name):
+            return
+        if self.secret is not None and not security.verify(spec_text, signature, self.secret):
+            if name not in self._refused:
+                log.error("job %s: spec not signed with this cluster's secret; not run", name)
+                self._refused.add(name)
+            return
+        if driver is None:
+            driver = self.drivers[(name, cls.side)] = cls(spec, self.context)
+        if name in self._finishing:
+            return  # the script completed: replace no process
+        try:
+            driver.reconcile(alloc)
+        except OSError as exc:
+            log.error("job %s: cannot start %r in %r: %s", name, spec.command[0],
+                      spec.workdir, exc.strerror or exc)
+            self._set_status(name, JobStatus(
+                "failed", 127, f"cannot start {spec.command[0]!r} in {spec.workdir!r} on "
+                f"node {self.node.name}: {exc.strerror or exc}; every node runs a job's "
+                "command at the path and in the working directory it had where it was "
+                "submitted", self.clock()))
+            return
+        if driver.alive() and (status is None or status.state == "pending"):
+            self._set_status(name, JobStatus("running", None, "", self.clock()))
+
+    def _drivers_of(self, job: str) -> list[JobDriver]:
+        return [d for (name, _), d in self.drivers.items() if name == job]
 
     def _reap(self) -> None:
         for name, deadline in list(self._finishing.items()):
-            driver = self.drivers[name]
-            if driver.alive() and self.clock() < deadline:
+            if any(d.alive() for d in self._drivers_of(name)) and self.clock() < deadline:
                 continue
             del self._finishing[name]
             self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
-        for name, driver in list(self.drivers.items()):
+        for (name, _), driver in list(self.drivers.items()):
             for ended in driver.reap(lambda name=name: self._allocation(name)):
                 self.exits.append((name, ended.worker_id, ended.code))
                 log.info("job %s process %s exited %d (%s)", name, ended.worker_id, ended.code,

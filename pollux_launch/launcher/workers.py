@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
@@ -121,11 +121,14 @@ class WorkerGroup:
     def alive(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.poll() is None]
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM every worker's process group, SIGKILL what is left after ``grace``."""
-        for worker in self.alive():
-            _signal_group(worker.proc, signal.SIGTERM)
-        for worker in list(self.workers.values()):
+    def stop(self, grace: float = 10.0, only: Collection[str] | None = None) -> None:
+        """SIGTERM every worker's process group (or those of the worker ids in ``only``),
+        SIGKILL what is left after ``grace``."""
+        chosen = [w for w in list(self.workers.values()) if only is None or w.worker_id in only]
+        for worker in chosen:
+            if worker.poll() is None:
+                _signal_group(worker.proc, signal.SIGTERM)
+        for worker in chosen:
             try:
                 worker.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:

@@ -65,6 +65,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -164,6 +165,13 @@ class Host:
     def run(self, argv: _Argv, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         """``subprocess.run`` inside the namespace; kwargs are passed through."""
         return subprocess.run(self.argv(argv), **kwargs)
+
+    def resolve_hostname_here(self) -> None:
+        """Make the machine's host name resolve to this host's address inside this host
+        (``/etc/netns/<ns>/hosts``, bind-mounted over /etc/hosts by ``ip netns exec``),
+        as on a cluster node whose /etc/hosts is configured for it."""
+        hosts = f"127.0.0.1 localhost\n{self.address} {socket.gethostname()}\n"
+        (_ETC_NETNS / self.netns / "hosts").write_text(hosts)
 
     def pids(self) -> list[int]:
         """The PIDs of every process now inside this host's namespace."""

@@ -5,7 +5,10 @@ host name, which resolves to a loopback address on every host - as on many real 
 
 from __future__ import annotations
 
+import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from cluster import Cluster
@@ -13,6 +16,9 @@ from hosts import HostNet, netns_available
 
 from pollux_launch import keys
 from pollux_launch.messages import NodeInfo, decode
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "horovod_elastic.py"
+DS_WORKER = Path(__file__).parents[1] / "deepspeed" / "pollux_worker.py"
 
 pytestmark = pytest.mark.skipif(not netns_available(), reason="needs root and network namespaces")
 
@@ -88,3 +94,118 @@ def test_etcd_stall_across_hosts_is_ridden_out(net, cluster):
     assert cluster.epochs_lost() == 0
     for name in ("coordinator", "agent-n1", "agent-n2"):
         assert cluster.procs[name].poll() is None, cluster.log(name)[-2000:]
+
+
+def _hvd_steps(log_dir: Path) -> list[dict]:
+    out = []
+    for f in log_dir.glob("worker-*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if rec["event"] == "step":
+                out.append(rec)
+    return out
+
+
+def test_horovod_job_spans_hosts_without_ssh(net, cluster, tmp_path):
+    """Horovod workers on every host are started by that host's node agent (no ssh): the
+    job grows onto a host that joins and goes on when that host's agent is killed."""
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed")
+    h1, h2 = net.add_host("h1"), net.add_host("h2")
+    for host in (h1, h2):  # Horovod 0.28.1 binds the host name's address (see tasks.py)
+        host.resolve_hostname_here()
+    cluster.coordinator("--node-grace", "10")
+    cluster.agent("n1", 1, host=h1)
+    cluster.wait(lambda: cluster.store.get(keys.node("n1")), 60, "n1 registered")
+    logs, stop = tmp_path / "hvd", tmp_path / "hvd.stop"
+    job = cluster.start("hvd", "--store", cluster.url, "--job-name", "hvd", "--framework",
+                        "horovod", "-np", "2", "--min-np", "1", "--max-np", "2",
+                        sys.executable, str(EXAMPLE), "--epochs", "1000", "--step-sleep",
+                        "0.05", "--log-dir", str(logs), "--stop-file", str(stop))
+    cluster.wait(lambda: sum(s["size"] == 1 for s in _hvd_steps(logs)) >= 10, 180,
+                 "Horovod training on n1")
+    assert {s["pid"] for s in _hvd_steps(logs)} <= set(h1.pids())
+
+    cluster.agent("n2", 1, host=h2)
+    cluster.wait(lambda: sum(s["size"] == 2 for s in _hvd_steps(logs)) >= 20, 180,
+                 "Horovod training across both hosts")
+    pids = {s["pid"] for s in _hvd_steps(logs) if s["size"] == 2}
+    assert pids & set(h1.pids()) and pids & set(h2.pids())  # one worker on each host
+
+    cluster.procs["agent-n2"].kill()  # its worker dies with it
+    t_kill = time.time()
+    cluster.wait(lambda: sum(s["size"] == 1 and s["t"] > t_kill for s in _hvd_steps(logs))
+                 >= 10, 120, "Horovod training on n1 again")
+    stop.touch()
+    assert job.wait(timeout=120) == 0, cluster.log("hvd")[-3000:]
+    assert "hvd: succeeded, exit code 0" in cluster.log("hvd")
+    cluster.wait(lambda: not [p for p in h1.pids() + h2.pids() if p in pids], 30,
+                 "no Horovod worker left behind")
+
+
+def test_host_dropping_off_the_network_is_noticed_within_the_lease(net, cluster):
+    """A host that vanishes sends nothing (no FIN, no RST): the survivor, blocked in a
+    collective with it, learns from the store that every worker there lost its lease,
+    cuts its connections to that host and re-forms - long before the 60 s collective
+    timeout. When the host comes back, its worker finds itself replaced and leaves."""
+    hosts = {"n1": net.add_host("h1"), "n2": net.add_host("h2")}
+    cluster.coordinator("--node-grace", "10")
+    for node, host in hosts.items():
+        cluster.agent(node, 1, host=host)
+    cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 2, 60, "two nodes")
+    job = cluster.submit("cut", "-np", "2", "--min-np", "1", "--max-np", "2", target=0.0)
+    cluster.wait(lambda: sum(s["world"] == 2 for s in cluster.steps()) >= 20, 120,
+                 "the job training across both hosts")
+    h2 = hosts["n2"]
+    h2.run(["ip", "link", "set", h2.ifname, "down"], check=True)  # gone without a word
+    t_cut = time.time()
+    cluster.wait(lambda: any(s["world"] == 1 and s["node"] == "n1" and s["t"] > t_cut
+                             for s in cluster.steps()), 40, "n1 training alone")
+    assert "lost its lease; cutting" in cluster.log("agent-n1")
+    cluster.wait(lambda: cluster.allocation("cut") == ("n1",), 60, "cut re-allocated to n1")
+    h2.run(["ip", "link", "set", h2.ifname, "up"], check=True)
+    cluster.stop_job("cut")
+    assert job.wait(timeout=180) == 0, cluster.log("cut")[-3000:]
+    assert "cut: succeeded, exit code 0" in cluster.log("cut")
+    cluster.wait(lambda: not cluster.workers_left(), 60, "no worker left behind")
+
+
+def test_deepspeed_job_spans_hosts_grows_and_survives_losing_one(net, cluster, tmp_path):
+    """The same for a DeepSpeed job (ZeRO-1): grows live onto a host that joins, with
+    identical parameters on every rank after the rebuild, and goes on when it is lost."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    logs = tmp_path / "ds"
+    logs.mkdir()
+    cluster.env.update(LOG_DIR=str(logs), ZERO_STAGE="1", STEP_SLEEP="0.02")
+    h1, h2 = net.add_host("h1"), net.add_host("h2")
+    cluster.coordinator("--node-grace", "10")
+    cluster.agent("n1", 1, host=h1)
+    cluster.wait(lambda: cluster.store.get(keys.node("n1")), 60, "n1 registered")
+
+    def records(kind: str) -> list[dict]:
+        out = []
+        for f in logs.glob("*.jsonl"):
+            out += [r for r in map(json.loads, f.read_text().splitlines()) if r["kind"] == kind]
+        return out
+
+    job = cluster.start("ds", "--store", cluster.url, "--job-name", "ds", "--framework",
+                        "deepspeed", "-np", "2", "--min-np", "1", "--max-np", "2",
+                        sys.executable, str(DS_WORKER))
+    cluster.wait(lambda: sum(r["world"] == 1 for r in records("step")) >= 10, 240,
+                 "DeepSpeed training on n1")
+    cluster.agent("n2", 1, host=h2)
+    cluster.wait(lambda: sum(r["world"] == 2 for r in records("step")) >= 20, 240,
+                 "DeepSpeed training across both hosts")
+    assert all(c["params_identical"] and not c["state_diffs"] for c in records("check")
+               if c["world"] == 2)
+    cluster.procs["agent-n2"].kill()
+    t_kill = time.time()
+    cluster.wait(lambda: sum(r["world"] == 1 and r["t"] > t_kill for r in records("step"))
+                 >= 10, 120, "DeepSpeed training on n1 again")
+    (logs / "stop").touch()
+    assert job.wait(timeout=180) == 0, cluster.log("ds")[-3000:]
+    assert "ds: succeeded, exit code 0" in cluster.log("ds")
+    first = min(records("start"), key=lambda r: r["t"])
+    assert {r["pid"] for r in records("step") if r["rank"] == 0} == {first["pid"]}
