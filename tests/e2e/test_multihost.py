@@ -173,12 +173,13 @@ def test_host_dropping_off_the_network_is_noticed_within_the_lease(net, cluster)
 
 
 def test_deepspeed_job_spans_hosts_grows_and_survives_losing_one(net, cluster, tmp_path):
-    """The same for a DeepSpeed job (ZeRO-1): grows live onto a host that joins, with
+    """The same for a DeepSpeed job (ZeRO-0: a lost peer's ZeRO-1/2 partition is lost with it,
+    see adapters/deepspeed/README.md): grows live onto a host that joins, with
     identical parameters on every rank after the rebuild, and goes on when it is lost."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
     logs = tmp_path / "ds"
     logs.mkdir()
-    cluster.env.update(LOG_DIR=str(logs), ZERO_STAGE="1", STEP_SLEEP="0.02")
+    cluster.env.update(LOG_DIR=str(logs), ZERO_STAGE="0", STEP_SLEEP="0.02")
     h1, h2 = net.add_host("h1"), net.add_host("h2")
     cluster.coordinator("--node-grace", "10")
     cluster.agent("n1", 1, host=h1)
