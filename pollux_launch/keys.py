@@ -8,6 +8,7 @@
     jobs/<job>/status             JobStatus
     jobs/<job>/hints              JobHints, refreshed by the job's rank-0 agent
     jobs/<job>/allocation         Allocation, written by the coordinator
+    jobs/<job>/restarts           JobRestarts: restarts after all workers died, progress lost
     jobs/<job>/rdzv/...           the job's rendezvous rounds (rendezvous/README.md)
     jobs/<job>/tasks/<task>       WorkerTask: a Horovod worker the job's launcher asks a node for
     jobs/<job>/exits/<task>       TaskExit, written by the node agent that ran the task

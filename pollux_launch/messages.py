@@ -13,6 +13,8 @@ Who writes what (key schema in ``rendezvous/README.md``):
 * ``NodeInfo``   - written by each node agent under a lease.
 * ``JobStatus``  - the job's lifecycle state, written by whoever learns of a change
   (``pollux-run`` or a node agent when workers exit, ``pollux-run cancel``).
+* ``JobRestarts`` - how often the job started again after all its workers died, and the
+  progress lost (the rendezvous' rank 0).
 * ``WorkerTask`` / ``TaskExit`` - a Horovod worker a job's launcher asks a node's agent to
   run, and how it ended (``adapters/horovod/tasks.py``).
 """
@@ -122,6 +124,17 @@ class TaskExit:
     """How a ``WorkerTask``'s process ended, written by the node agent that ran it."""
 
     code: int
+
+
+@dataclass(frozen=True)
+class JobRestarts:
+    """Times every worker of the job had died and it started again from scratch, and the
+    statistical progress (``JobHints.progress``, iterations at the initial batch size)
+    those restarts lost. Written by the rank 0 of the round that restarted it."""
+
+    count: int
+    lost_progress: float = 0.0
+    timestamp: float = 0.0
 
 
 JOB_STATES = ("pending", "running", "succeeded", "failed", "cancelled")

@@ -50,7 +50,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pollux_launch import env as envvars
-from pollux_launch.messages import Allocation, MessageError, decode, encode
+from pollux_launch import keys
+from pollux_launch.messages import (
+    Allocation,
+    JobHints,
+    JobRestarts,
+    MessageError,
+    decode,
+    encode,
+)
 
 from .network import transport_env
 from .process_group import Group, default_backend, destroy_group, form_group, host_store, vote_any
@@ -417,11 +425,29 @@ class Rendezvous:
                            tuple(w for w in ranked if w not in prev), time.time(),
                            tuple(node_of[w] for w in ranked))
         ops: list[Put | Delete] = [Put(k.state(r), encode(state))]
+        if ptr.prev_members and not set(ranked) & set(ptr.prev_members):
+            ops.append(self._restarted(snap))  # nobody survived: training starts again
         if r > 2:  # keep the previous round for stragglers; drop the one before it
             ops.append(Delete(k.round_prefix(r - 2), prefix=True))
         ok = self.store.txn([Compare(k.round, "mod_revision", "==", ptr_kv.mod_revision),
                              Compare(k.state(r), "create_revision", "==", 0)], ops)
         return state if ok else _AGAIN
+
+    def _restarted(self, snap: dict[str, KeyValue]) -> Put:
+        """The job's restart record, one more restart and the progress it lost (the last
+        progress its rank 0 reported)."""
+        key = keys.job(self.job, "restarts")
+        old, lost = JobRestarts(0), 0.0
+        try:
+            if key in snap:
+                old = decode(JobRestarts, snap[key].value)
+            if keys.job(self.job, "hints") in snap:
+                lost = decode(JobHints, snap[keys.job(self.job, "hints")].value).progress
+        except MessageError as exc:  # a bad record restarts the count, never the job
+            log.warning("job %s: ignoring malformed restart record or hints: %s", self.job, exc)
+        log.warning("job %s: every worker had died; training starts again (%.0f iterations "
+                    "of progress lost)", self.job, lost)
+        return Put(key, encode(JobRestarts(old.count + 1, old.lost_progress + lost, time.time())))
 
     def _form(self, state: RoundState) -> GroupInfo | None:
         """Join the round's process group; None if that failed (a member died meanwhile)."""

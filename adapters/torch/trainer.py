@@ -223,7 +223,10 @@ class ElasticTrainer:
         except RuntimeError as exc:
             if not self._distributed_failure(exc):
                 raise
-            self._recover(exc)
+            # the step before this boundary completed everywhere: nothing is in flight, so
+            # the loader's next step is not aborted (aborting it would skip its boundary on
+            # this rank only, and the ranks' collectives would fall out of step)
+            self._recover(exc, in_flight=False)
 
     def _rescale(self) -> None:
         t0 = time.perf_counter()
@@ -237,8 +240,9 @@ class ElasticTrainer:
         self._enter_round(sync_state=info.needs_state_sync)
         log.info("rescaled to %d replicas in %.3f s", info.world_size, time.perf_counter() - t0)
 
-    def _recover(self, exc: BaseException) -> None:
-        """A peer died mid-collective: form a failure round and take rank 0's state."""
+    def _recover(self, exc: BaseException, in_flight: bool = True) -> None:
+        """A peer died mid-collective: form a failure round and take rank 0's state;
+        ``in_flight``: the failure hit a step (its micro-batches are dropped)."""
         if not self.job.elastic:
             raise exc
         log.warning("a collective failed (%s): re-forming the job", str(exc).splitlines()[0])
@@ -249,7 +253,8 @@ class ElasticTrainer:
             self.job.close()
             raise SystemExit(0) from None
         self._enter_round(sync_state=True)  # survivors may be a step apart
-        self.loader.abort_step()
+        if in_flight:
+            self.loader.abort_step()
 
     def _enter_round(self, sync_state: bool) -> None:
         p = self.job.placement

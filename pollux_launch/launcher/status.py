@@ -2,7 +2,8 @@
 
 One table of nodes (slots used / free) and one of jobs (state, GPUs per node, batch
 size = replicas x m x (s+1), statistical efficiency, goodput, speedup over one GPU,
-re-allocations, age), all read from the store - nothing is computed that the store
+re-allocations, restarts after all workers died with the progress they lost, age),
+all read from the store - nothing is computed that the store
 does not say, except goodput and efficiency, which follow from the job's hints.
 """
 
@@ -20,6 +21,7 @@ from .. import keys
 from ..messages import (
     Allocation,
     JobHints,
+    JobRestarts,
     JobSpec,
     JobStatus,
     MessageError,
@@ -76,7 +78,8 @@ def render(store: Store, now: float | None = None) -> str:
         except MessageError:
             continue
     jobs: dict[str, dict[str, object]] = {}
-    kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation}
+    kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation,
+             "restarts": JobRestarts}
     for kv in store.get_prefix(keys.JOBS):
         split = keys.split_job_key(kv.key)
         if split and split[1] in kinds:
@@ -100,6 +103,7 @@ def render(store: Store, now: float | None = None) -> str:
             _fmt(fig.get("efficiency"), ".2f"), _fmt(fig.get("goodput"), ".0f"),
             _fmt(fig.get("speedup"), ".2f"),
             str(max(0, alloc.version - 1)) if alloc else "0",
+            _restarts(view.get("restarts")),
             _age(now - spec.submit_time) if spec else "-",
         ])
     node_rows = [[n.name, str(n.slots), str(used[n.name]), str(max(0, n.slots - used[n.name]))]
@@ -107,8 +111,15 @@ def render(store: Store, now: float | None = None) -> str:
     out = [_table(["NODE", "SLOTS", "USED", "FREE"], node_rows or [["(no nodes)", "", "", ""]])]
     out.append(_table(
         ["JOB", "STATE", "GPUS PER NODE", "BATCH", "EFF", "GOODPUT", "SPEEDUP", "REALLOCS",
-         "AGE"], rows or [["(no jobs)"] + [""] * 8]))
+         "RESTARTS (LOST)", "AGE"], rows or [["(no jobs)"] + [""] * 9]))
     return "\n\n".join(out)
+
+
+def _restarts(restarts: JobRestarts | None) -> str:
+    """Restarts after every worker died, with the progress lost (iterations)."""
+    if restarts is None or not restarts.count:
+        return "0"
+    return f"{restarts.count} ({restarts.lost_progress:.0f} it)"
 
 
 def _fmt(value: float | None, spec: str) -> str:

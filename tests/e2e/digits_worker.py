@@ -8,8 +8,10 @@ $LOG_DIR/<worker>.jsonl and ends once --stop-file exists and validation accuracy
 """
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,6 +30,7 @@ parser.add_argument("--target", type=float, default=0.9)
 parser.add_argument("--step-delay", type=float, default=0.05)
 parser.add_argument("--epochs", type=int, default=10_000, help="end after this many epochs")
 args = parser.parse_args()
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand when debugging
 
 log = open(Path(os.environ["LOG_DIR"]) / f"{os.environ['POLLUX_WORKER_ID']}.jsonl", "a")
 torch.manual_seed(0)

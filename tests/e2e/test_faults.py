@@ -6,6 +6,8 @@ status and exit code told the truth, and that no process was left behind."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 
@@ -13,6 +15,7 @@ import pytest
 from cluster import POLLUX_RUN, Cluster
 
 from pollux_launch import keys
+from pollux_launch.messages import JobRestarts, decode
 
 EPOCHS = 12
 
@@ -98,3 +101,39 @@ def test_leader_key_overwritten_without_a_lease(cluster):
     assert proc.wait(timeout=180) == 0, cluster.log("after")[-3000:]
     assert "taking over" in cluster.log("coordinator")
     assert json.loads(cluster.store.get(keys.LEADER).value) != "somebody-else"
+
+
+def test_only_node_agent_killed_and_restarted(cluster):
+    """Every worker of the job dies with the only node's agent. The restarted agent starts
+    the job again (it no longer waits forever for a slot its dead worker held); without a
+    durable checkpoint its progress is lost, and status says how much."""
+    cluster.coordinator()
+    cluster.agent("n1", 1)
+    cluster.wait(lambda: cluster.store.get(keys.NODES + "n1"), 60, "n1 registered")
+    proc = cluster.submit("lonely", "-np", "1", target=0.0, epochs=4)
+    cluster.wait(lambda: any(s["epoch"] >= 1 for s in cluster.steps()), 120, "an epoch trained")
+    cluster.procs["agent-n1"].kill()
+    cluster.procs["agent-n1"].wait()
+    cluster.agent("n1", 1)  # as systemd would restart it
+    assert proc.wait(timeout=240) == 0, cluster.log("lonely")[-3000:]
+    assert "lonely: succeeded, exit code 0" in cluster.log("lonely")
+    assert cluster.epochs_lost() >= 1 and len({s["pid"] for s in cluster.steps()}) == 2
+    restarts = decode(JobRestarts, cluster.store.get(keys.job("lonely", "restarts")).value)
+    assert restarts.count == 1 and restarts.lost_progress > 0
+    out = subprocess.run([POLLUX_RUN, "status", "--store", cluster.url], capture_output=True,
+                         text=True, timeout=60)
+    assert "RESTARTS" in out.stdout and f"1 ({restarts.lost_progress:.0f} it)" in out.stdout
+
+
+def test_worker_sigkill_is_replaced_and_the_job_goes_on(cluster):
+    """A worker SIGKILLed: the survivor re-forms, its node agent starts a replacement that
+    joins with the survivor's state, and the job trains on to the end."""
+    proc = _start(cluster, "killed")
+    victim = max((s for s in cluster.steps() if s["node"] == "n2"), key=lambda s: s["t"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    t_kill = time.time()
+    cluster.wait(lambda: any(s["world"] == 2 and s["t"] > t_kill + 5 and s["pid"] != victim["pid"]
+                             and s["node"] == "n2" for s in cluster.steps()), 120,
+                 "the replacement training with the survivor")
+    _assert_finished_whole(cluster, "killed", proc)
+    assert len({s["pid"] for s in cluster.steps()}) == 3  # two first workers, one replacement
