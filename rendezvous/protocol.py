@@ -640,7 +640,10 @@ class Rendezvous:
         on it fails now instead of after the collective timeout (``sever.py``)."""
         with self._lock:
             info = self.info
-            if info is None or not self._lost.intersection(info.members):
+            # a newer round exists: the workers that left were removed by it (they revoke
+            # their leases on leaving), not lost with their host
+            if (info is None or self._latest_round > info.round
+                    or not self._lost.intersection(info.members)):
                 return
             by_addr: dict[str, list[str]] = {}
             for w in info.members:

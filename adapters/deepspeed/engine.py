@@ -348,7 +348,12 @@ class PolluxEngine:
         eng = self.engine
         boundary = eng.is_gradient_accumulation_boundary()
         skipped = eng.skipped_steps
-        out = eng.step(*args, **kwargs)
+        try:
+            out = eng.step(*args, **kwargs)  # collectives too (gradient norm, ZeRO)
+        except RuntimeError as exc:
+            if self.driver is None or not self.driver.recover(exc):
+                raise
+            return None  # the step in flight is lost; the job re-formed around it
         if boundary:
             short = self._forced_boundary
             if short:  # back to DeepSpeed's own counting, from a whole step on
