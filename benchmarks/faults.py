@@ -148,7 +148,9 @@ def measure(name: str, net: HostNet, hosts: dict, folder: Path, epochs: int) -> 
             run.agent(node)
         job = c.submit(JOB, "-np", "2", "--min-np", "1", "--max-np", "2", target=0.0,
                        epochs=epochs)
-        c.wait(lambda: sum(s["rank"] == 0 for s in c.steps()) >= 20, 180, "training")
+        # a whole epoch first, so that a restart from scratch shows as epochs lost
+        c.wait(lambda: any(s["rank"] == 0 and s["epoch"] >= 1 for s in c.steps()), 180,
+               "an epoch trained")
         t_fault = time.time()
         inject(run)
         t_lifted = time.time()
