@@ -99,7 +99,11 @@ class Cluster:
     def steps(self) -> list[dict]:
         out = []
         for f in (self.tmp / "logs").glob("*.jsonl"):
-            out += [json.loads(line) | {"worker": f.stem} for line in f.read_text().splitlines()]
+            for line in f.read_text().splitlines():
+                try:
+                    out.append(json.loads(line) | {"worker": f.stem})
+                except ValueError:  # the line a worker is writing right now
+                    continue
         return out
 
     def check_capacity(self, slots: dict[str, int]) -> None:
