@@ -72,12 +72,13 @@ class Cluster:
         return (self.tmp / f"{name}.log").read_text()
 
     def epochs_lost(self) -> int:
-        """Data epochs trained again: how far rank 0's epoch fell back, summed."""
-        lost, top = 0, -1
+        """Data epochs trained again: how far rank 0's epoch fell back, summed over the
+        fall-backs (a restart from scratch falls back once, to epoch 0)."""
+        lost, prev = 0, None
         for s in sorted((s for s in self.steps() if s["rank"] == 0), key=lambda s: s["t"]):
-            if s["epoch"] < top:
-                lost += top - s["epoch"]
-            top = max(top, s["epoch"])
+            if prev is not None and s["epoch"] < prev:
+                lost += prev - s["epoch"]
+            prev = s["epoch"]
         return lost
 
     def workers_left(self) -> list[psutil.Process]:
