@@ -15,6 +15,7 @@ NODE = "POLLUX_NODE"  # the node this worker runs on
 WORKER_ID = "POLLUX_WORKER_ID"  # this worker's id, unique in the job
 ADDR = "POLLUX_ADDR"  # the address peers reach this node at (its agent's --address)
 EXIT_FILE = "POLLUX_EXIT_FILE"  # where the worker tells its agent why it is leaving
+EXIT_DEPARTED = "departed"  # ...written there: a round formed without it (not completion)
 LOG_LEVEL = "POLLUX_LOG_LEVEL"
 
 # The transports' own variables, set per node from the interface that carries ADDR

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pollux_launch import env as envvars
-from pollux_launch import keys
 from pollux_launch.messages import (
     Allocation,
     JobHints,
@@ -436,13 +435,13 @@ class Rendezvous:
     def _restarted(self, snap: dict[str, KeyValue]) -> Put:
         """The job's restart record, one more restart and the progress it lost (the last
         progress its rank 0 reported)."""
-        key = keys.job(self.job, "restarts")
+        key, hints = self.keys.restarts, snap.get(self.keys.hints)
         old, lost = JobRestarts(0), 0.0
         try:
             if key in snap:
                 old = decode(JobRestarts, snap[key].value)
-            if keys.job(self.job, "hints") in snap:
-                lost = decode(JobHints, snap[keys.job(self.job, "hints")].value).progress
+            if hints is not None:
+                lost = decode(JobHints, hints.value).progress
         except MessageError as exc:  # a bad record restarts the count, never the job
             log.warning("job %s: ignoring malformed restart record or hints: %s", self.job, exc)
         log.warning("job %s: every worker had died; training starts again (%.0f iterations "
@@ -698,7 +697,7 @@ class Rendezvous:
         if departed and os.environ.get(envvars.EXIT_FILE):
             try:
                 with open(os.environ[envvars.EXIT_FILE], "w") as f:
-                    f.write("departed\n")
+                    f.write(envvars.EXIT_DEPARTED + "\n")
             except OSError as exc:  # the agent then judges by the allocation, as before
                 log.warning("worker %s: cannot write its exit file: %s", self.worker, exc)
         self._closed = True

@@ -111,6 +111,14 @@ class JobKeys:
         return keys.job(self.job, "allocation")
 
     @property
+    def hints(self) -> str:
+        return keys.job(self.job, "hints")
+
+    @property
+    def restarts(self) -> str:
+        return keys.job(self.job, "restarts")
+
+    @property
     def rdzv(self) -> str:
         return keys.job(self.job, "rdzv/")
 

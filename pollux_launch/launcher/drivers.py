@@ -174,7 +174,7 @@ class ReplicaDriver(JobDriver):
             os.unlink(path)
         except OSError:
             return False
-        return said == "departed"
+        return said == envvars.EXIT_DEPARTED
 
     def _torch_env(self, alloc: Allocation | None, local_rank: int) -> dict[str, str]:
         """torchrun's variables for the allocation a worker starts in, so that a script

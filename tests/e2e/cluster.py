@@ -28,6 +28,19 @@ WORKER = str(Path(__file__).with_name("digits_worker.py"))
 SECRET = "e2e-test-secret-not-for-production"
 
 
+def read_jsonl(folder: Path, pattern: str = "*.jsonl") -> list[dict]:
+    """Every record of the JSON-lines files in ``folder``, each with ``worker``: its file's
+    stem. A line a worker is writing right now is skipped."""
+    out = []
+    for f in folder.glob(pattern):
+        for line in f.read_text().splitlines():
+            try:
+                out.append(json.loads(line) | {"worker": f.stem})
+            except ValueError:
+                continue
+    return out
+
+
 class Cluster:
     def __init__(self, url: str, tmp: Path) -> None:
         self.url, self.tmp = url, tmp
@@ -98,14 +111,7 @@ class Cluster:
         return decode(Allocation, kv.value).nodes if kv else ()
 
     def steps(self) -> list[dict]:
-        out = []
-        for f in (self.tmp / "logs").glob("*.jsonl"):
-            for line in f.read_text().splitlines():
-                try:
-                    out.append(json.loads(line) | {"worker": f.stem})
-                except ValueError:  # the line a worker is writing right now
-                    continue
-        return out
+        return read_jsonl(self.tmp / "logs")
 
     def check_capacity(self, slots: dict[str, int]) -> None:
         """Allocations never exceed a node's slots (checked at every observation)."""

@@ -5,13 +5,12 @@ host name, which resolves to a loopback address on every host - as on many real 
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from cluster import Cluster
+from cluster import Cluster, read_jsonl
 from hosts import HostNet, netns_available
 
 from pollux_launch import keys
@@ -97,16 +96,7 @@ def test_etcd_stall_across_hosts_is_ridden_out(net, cluster):
 
 
 def _hvd_steps(log_dir: Path) -> list[dict]:
-    out = []
-    for f in log_dir.glob("worker-*.jsonl"):
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a line being written
-                continue
-            if rec["event"] == "step":
-                out.append(rec)
-    return out
+    return [r for r in read_jsonl(log_dir, "worker-*.jsonl") if r["event"] == "step"]
 
 
 def test_horovod_job_spans_hosts_without_ssh(net, cluster, tmp_path):
@@ -186,16 +176,7 @@ def test_deepspeed_job_spans_hosts_grows_and_survives_losing_one(net, cluster, t
     cluster.wait(lambda: cluster.store.get(keys.node("n1")), 60, "n1 registered")
 
     def records(kind: str) -> list[dict]:
-        out = []
-        for f in logs.glob("*.jsonl"):
-            for line in f.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # a line being written
-                    continue
-                if rec["kind"] == kind:
-                    out.append(rec)
-        return out
+        return [r for r in read_jsonl(logs) if r["kind"] == kind]
 
     job = cluster.start("ds", "--store", cluster.url, "--job-name", "ds", "--framework",
                         "deepspeed", "-np", "2", "--min-np", "1", "--max-np", "2",
