@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 from pollux_launch import keys
+from pollux_launch.env import TRANSPORT_IFNAME
 from pollux_launch.messages import Allocation, JobStatus, MessageError, decode
 from pollux_launch.rendezvous.store import open_store
 
@@ -44,7 +45,10 @@ def read_jsonl(folder: Path, pattern: str = "*.jsonl") -> list[dict]:
 class Cluster:
     def __init__(self, url: str, tmp: Path) -> None:
         self.url, self.tmp = url, tmp
-        self.env = {**os.environ, "POLLUX_SECRET": SECRET, "LOG_DIR": str(tmp / "logs")}
+        # a Rendezvous made in this test process binds its transports in os.environ: the
+        # services must find their own, as on a fresh host
+        inherited = {k: v for k, v in os.environ.items() if k not in TRANSPORT_IFNAME}
+        self.env = {**inherited, "POLLUX_SECRET": SECRET, "LOG_DIR": str(tmp / "logs")}
         (tmp / "logs").mkdir()
         self.procs: dict[str, subprocess.Popen] = {}
         self.store = open_store(url)
