@@ -7,7 +7,8 @@ Two hosts are network namespaces on a bridge (``tests/e2e/hosts.py``; root neede
 running a ``pollux-run agent`` with one slot; one etcd and the coordinator run in the root
 namespace, and the job (``tests/e2e/digits_worker.py``: the digits MLP with the native
 adapter, ``--epochs`` statistical epochs) is launched from there with ``-np 2 --min-np 1
---max-np 2``. For each fault, on a fresh etcd:
+--max-np 2 --checkpoint-dir DIR --checkpoint-interval 5``. For each fault, on a fresh
+etcd:
 
 * ``survived``: the launcher exited 0 with ``succeeded``, rank 0 ended the job once with
   every epoch trained, every service not killed on purpose is alive, and no worker
@@ -15,7 +16,7 @@ adapter, ``--epochs`` statistical epochs) is launched from there with ``-np 2 --
 * ``resume_s``: the longest pause of training (gap between rank 0's steps) from the
   fault's injection until 60 s after it was lifted;
 * ``epochs_lost``: data epochs trained twice (rank 0's epoch falling back after a
-  restart from scratch).
+  restart, which resumes from the newest checkpoint).
 
 The LAST line printed is one JSON object:
 ``{"faults": {name: {"survived": bool, "resume_s": float, "epochs_lost": int}}, "hosts": 2}``.
@@ -146,8 +147,9 @@ def measure(name: str, net: HostNet, hosts: dict, folder: Path, epochs: int) -> 
         c.coordinator()
         for node in nodes:
             run.agent(node)
-        job = c.submit(JOB, "-np", "2", "--min-np", "1", "--max-np", "2", target=0.0,
-                       epochs=epochs)
+        job = c.submit(JOB, "-np", "2", "--min-np", "1", "--max-np", "2",
+                       "--checkpoint-dir", str(folder / "checkpoints"),
+                       "--checkpoint-interval", "5", target=0.0, epochs=epochs)
         # a whole epoch first, so that a restart from scratch shows as epochs lost
         c.wait(lambda: any(s["rank"] == 0 and s["epoch"] >= 1 for s in c.steps()), 180,
                "an epoch trained")

@@ -17,6 +17,9 @@ ADDR = "POLLUX_ADDR"  # the address peers reach this node at (its agent's --addr
 EXIT_FILE = "POLLUX_EXIT_FILE"  # where the worker tells its agent why it is leaving
 EXIT_DEPARTED = "departed"  # ...written there: a round formed without it (not completion)
 LOG_LEVEL = "POLLUX_LOG_LEVEL"
+CHECKPOINT_DIR = "POLLUX_CHECKPOINT_DIR"  # the job's durable checkpoints (pollux-run flag)
+CHECKPOINT_INTERVAL = "POLLUX_CHECKPOINT_INTERVAL"  # seconds between them (default below)
+DEFAULT_CHECKPOINT_INTERVAL = 60.0
 
 # The transports' own variables, set per node from the interface that carries ADDR
 # (pollux_launch.rendezvous.network): gloo, NCCL's bootstrap sockets, Horovod's gloo.

@@ -2,12 +2,12 @@
 
 ::
 
-    nodes/<node>                  NodeInfo, under the node agent's lease
+    nodes/<node>                  NodeInfo (and its live workers per job), agent's lease
     jobs/<job>/spec               JobSpec, written once at submission
     jobs/<job>/signature          hex HMAC-SHA256 of the spec's exact text (cluster secret)
     jobs/<job>/status             JobStatus
     jobs/<job>/hints              JobHints, refreshed by the job's rank-0 agent
-    jobs/<job>/allocation         Allocation, written by the coordinator
+    jobs/<job>/allocation         Allocation (version, nodes, leadership term), by the coordinator
     jobs/<job>/restarts           JobRestarts: restarts after all workers died, progress lost
     jobs/<job>/rdzv/...           the job's rendezvous rounds (rendezvous/README.md)
     jobs/<job>/tasks/<task>       WorkerTask: a Horovod worker the job's launcher asks a node for

@@ -83,11 +83,21 @@ class JobHints:
 
 @dataclass(frozen=True)
 class Allocation:
-    """The coordinator's decision for one job: one node name per replica."""
+    """The coordinator's decision for one job: one node name per replica.
+
+    ``term`` is the writing coordinator's leadership term (the create revision of its
+    ``coordinator/leader`` key): allocations are ordered by ``(term, version)``, and a
+    reader that has seen one never goes back to an older one (``pollux_launch.fencing``).
+    """
 
     version: int
     nodes: tuple[str, ...]
     timestamp: float = 0.0
+    term: int = 0
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.term, self.version)
 
     @property
     def num_replicas(self) -> int:
@@ -100,12 +110,14 @@ class Allocation:
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """A node agent's registration (kept under its lease)."""
+    """A node agent's registration (kept under its lease). ``workers``: the agent's own
+    view of the processes it runs, per job (each holds a slot until it has exited)."""
 
     name: str
     slots: int
     address: str = "127.0.0.1"
     timestamp: float = 0.0
+    workers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -128,13 +140,16 @@ class TaskExit:
 
 @dataclass(frozen=True)
 class JobRestarts:
-    """Times every worker of the job had died and it started again from scratch, and the
-    statistical progress (``JobHints.progress``, iterations at the initial batch size)
-    those restarts lost. Written by the rank 0 of the round that restarted it."""
+    """Times every worker of the job had died and it started again, and the statistical
+    progress (``JobHints.progress``, iterations at the initial batch size) those restarts
+    lost. Written by the rank 0 of the round that restarted it: first as if from scratch
+    (all the progress last reported), then - once that rank 0 resumed from a durable
+    checkpoint - less the checkpoint's progress (``resumed``: the restarts so credited)."""
 
     count: int
     lost_progress: float = 0.0
     timestamp: float = 0.0
+    resumed: int = 0
 
 
 JOB_STATES = ("pending", "running", "succeeded", "failed", "cancelled")

@@ -184,6 +184,13 @@ class GroupInfo:
         first round included), or a failure may have left survivors one step apart."""
         return bool(self.newcomers) or self.reason == "failure"
 
+    @property
+    def fresh(self) -> bool:
+        """No member carries training state: all are newcomers (the job's first round,
+        or a restart after every worker died) - the state comes from a checkpoint or
+        from scratch."""
+        return set(self.members) <= set(self.newcomers)
+
 
 _AGAIN, _WAIT, _IDLE = "again", "wait", "idle"
 
@@ -446,7 +453,25 @@ class Rendezvous:
             log.warning("job %s: ignoring malformed restart record or hints: %s", self.job, exc)
         log.warning("job %s: every worker had died; training starts again (%.0f iterations "
                     "of progress lost)", self.job, lost)
-        return Put(key, encode(JobRestarts(old.count + 1, old.lost_progress + lost, time.time())))
+        return Put(key, encode(JobRestarts(old.count + 1, old.lost_progress + lost, time.time(),
+                                           old.resumed)))
+
+    def credit_resumed(self, progress: float) -> None:
+        """This job's latest restart resumed from a checkpoint at ``progress``: that much
+        of what the restart record counts as lost was not lost (credited once per
+        restart; a store problem leaves the record as it was, on the safe side)."""
+        key = self.keys.restarts
+        try:
+            kv = self.store.get(key)
+            old = decode(JobRestarts, kv.value) if kv else None
+            if old is None or old.resumed >= old.count:
+                return
+            new = JobRestarts(old.count, max(0.0, old.lost_progress - progress),
+                              old.timestamp, old.count)
+            self.store.txn([Compare(key, "mod_revision", "==", kv.mod_revision)],
+                           [Put(key, encode(new))])
+        except (MessageError, StoreError) as exc:
+            log.warning("job %s: could not record the resumed progress: %s", self.job, exc)
 
     def _form(self, state: RoundState) -> GroupInfo | None:
         """Join the round's process group; None if that failed (a member died meanwhile)."""

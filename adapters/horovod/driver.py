@@ -122,9 +122,10 @@ class HorovodDriver(JobDriver):
                 argv.append("--verbose")
         return [*argv, "--", *spec.command]
 
-    def reconcile(self, alloc: Allocation | None) -> None:
+    def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
+        # (the driver process holds no slot: its workers do, started by the node agents)
         if self.started or self.done or alloc is None or not alloc.num_replicas:
-            return  # started once; from then on Horovod follows the allocation
+            return 0  # started once; from then on Horovod follows the allocation
         self.started = True
         if self.ctx.local:  # one machine: horovodrun itself, hosts from a discovery script
             self.folder = Path(tempfile.mkdtemp(prefix=f"pollux-hvd-{self.spec.name}-"))
@@ -142,6 +143,7 @@ class HorovodDriver(JobDriver):
             self._cleanup()
             self.done = True
             raise
+        return 0
 
     def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
         out = []

@@ -181,13 +181,17 @@ class HorovodTaskDriver(JobDriver):
                 out[kv.key[len(prefix):]] = task
         return out
 
-    def reconcile(self, alloc: Allocation | None) -> None:
+    def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
         tasks = self._tasks()
         running = {w.worker_id for w in self.group.alive()}
         for task_id in running - set(tasks):  # its launcher stopped it
             self.group.stop(grace=5.0, only=[task_id])
+        deferred = 0
         for task_id, task in tasks.items():
             if task_id in self.group.workers or self._reported(task_id):
+                continue
+            if free_slots <= 0:  # Horovod's driver waits for it: start it once one is free
+                deferred += 1
                 continue
             if tuple(task.command) != tuple(self.spec.command):
                 log.error("job %s: task %s asks for another command than the job's; refused",
@@ -199,6 +203,11 @@ class HorovodTaskDriver(JobDriver):
             if "HOROVOD_GLOO_IFACE" in node_env:  # this node's interface, not the launcher's
                 env["HOROVOD_GLOO_IFACE"] = node_env["HOROVOD_GLOO_IFACE"]
             self.group.start(task_id, env)
+            free_slots -= 1
+        return deferred
+
+    def slots_held(self) -> int:
+        return len(self.group.alive())
 
     def _reported(self, task_id: str) -> bool:
         return self.ctx.store.get(keys.job(self.spec.name, f"exits/{task_id}")) is not None

@@ -31,12 +31,22 @@ every replica:
 
 A collective that fails because a peer died is caught: the survivors move to a failure
 round, take rank 0's state and go on; only the step in flight is lost.
+
+Durable state (``checkpoint_dir``, by default ``pollux-run --checkpoint-dir``): rank 0
+writes the same state every ``checkpoint_interval`` seconds in the background
+(``pollux_launch.elastic.checkpoint``); a job whose workers all died resumes from the
+newest checkpoint at whatever size it is given, and SIGTERM (a drained node, a batch
+system's preemption) makes rank 0 write a final one at its next step boundary before the
+worker ends by that signal, as it would have without it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -45,9 +55,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from pollux_launch import env as envvars
 from pollux_launch.agent.agent import AgentConfig, PolluxAgent, default_lr_rule
 from pollux_launch.agent.hooks import attach_measurement
 from pollux_launch.agent.progress import StatisticalProgress
+from pollux_launch.elastic.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint
 from pollux_launch.rendezvous.process_group import broadcast_state
 from pollux_launch.rendezvous.store import StoreError
 
@@ -73,6 +85,8 @@ class ElasticTrainer:
         decide_every: int = 20,
         min_gain: float = 0.05,
         ddp_kwargs: dict[str, Any] | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_interval: float | None = None,
     ) -> None:
         self.job = job or init()
         self.module, self.optimizer, self.loader = model, optimizer, loader
@@ -104,7 +118,16 @@ class ElasticTrainer:
         self._grad = None
         self.agent = PolluxAgent(config, self.hooks.profile, lambda: self._grad, progress)
         loader.on_step_boundary = self._on_boundary
-        self._enter_round(sync_state=self.job.elastic and self.job.info.needs_state_sync)
+        self.checkpoints = _checkpoint_writer(checkpoint_dir, checkpoint_interval)
+        self.resumed_from: float | None = None  # the checkpoint's progress, if one was loaded
+        self._terminating = False
+        if self.checkpoints is not None:
+            self._catch_sigterm()
+        info = self.job.info
+        sync = self.job.elastic and info.needs_state_sync
+        if info is None or info.fresh:  # a new job, or one whose workers all died
+            sync = self._resume() or sync
+        self._enter_round(sync_state=sync)
 
     # -- what the user touches ---------------------------------------------------------
     @property
@@ -214,6 +237,11 @@ class ElasticTrainer:
     # -- step boundaries ---------------------------------------------------------------
     def _on_boundary(self) -> None:
         """Called by the loader after every optimiser step, before its next batch."""
+        if self._terminating:
+            self._terminate()
+        if (self.checkpoints is not None and self.job.placement.rank == 0
+                and self.checkpoints.due()):
+            self._checkpoint(wait=False)
         try:
             if self.job.elastic and self.steps % self.check_every == 0 and self.job.rescale_due():
                 self._rescale()
@@ -243,6 +271,8 @@ class ElasticTrainer:
     def _recover(self, exc: BaseException, in_flight: bool = True) -> None:
         """A peer died mid-collective: form a failure round and take rank 0's state;
         ``in_flight``: the failure hit a step (its micro-batches are dropped)."""
+        if self._terminating:  # peers ended by the same SIGTERM: only our own end is left
+            self._terminate()
         if not self.job.elastic:
             raise exc
         log.warning("a collective failed (%s): re-forming the job", str(exc).splitlines()[0])
@@ -328,6 +358,9 @@ class ElasticTrainer:
     def _load_state(self, state: dict[str, Any]) -> None:
         if self.job.placement.rank == 0:
             return  # rank 0 is the source
+        self._restore(state)
+
+    def _restore(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.loader.load_state_dict(state["loader"])
@@ -341,6 +374,59 @@ class ElasticTrainer:
         if self.grad_scaler is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
 
+    # -- durable state -----------------------------------------------------------------
+    def _checkpoint(self, wait: bool) -> None:
+        assert self.checkpoints is not None
+        self.checkpoints.save(self._state(), step=self.steps,
+                              progress=self.agent.progress.iterations,
+                              replicas=self.job.placement.world_size, wait=wait)
+
+    def _resume(self) -> bool:
+        """Rank 0 loads the newest checkpoint, if there is one; every rank (all of them
+        fresh, all here) learns whether it did (one broadcast), so that they all take
+        rank 0's state. True if so."""
+        p = self.job.placement
+        loaded = torch.zeros(1, dtype=torch.int64)
+        if p.rank == 0 and self.checkpoints is not None:
+            try:
+                ckpt = latest_checkpoint(self.checkpoints.directory)
+            except CheckpointError as exc:
+                log.error("not resuming: %s; training starts from scratch", exc)
+                ckpt = None
+            if ckpt is not None:
+                self._restore(ckpt.state)
+                self.resumed_from = ckpt.progress
+                loaded[0] = 1
+                log.warning("resumed from %s (step %d, %.0f iterations of progress, taken "
+                            "on %d replicas)", ckpt.path, ckpt.step, ckpt.progress,
+                            ckpt.replicas)
+                if self.job.rdzv is not None:
+                    self.job.rdzv.credit_resumed(ckpt.progress)
+        if self.job.elastic and p.world_size > 1:
+            dist.broadcast(loaded, 0)
+        return bool(loaded.item()) and p.world_size > 1
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM ends the worker at its next step boundary, after rank 0 wrote a final
+        checkpoint (only where the script left SIGTERM's default and in the main thread)."""
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+            return
+
+        def on_sigterm(signum, frame) -> None:
+            self._terminating = True
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _terminate(self) -> None:
+        if self.job.placement.rank == 0 and self.checkpoints is not None:
+            log.warning("SIGTERM: writing a final checkpoint")
+            self.checkpoints.flush()
+            self._checkpoint(wait=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # end as SIGTERM would have ended us
+        time.sleep(60)  # (the signal is delivered before this returns)
+
     @staticmethod
     def _distributed_failure(exc: RuntimeError) -> bool:
         """Heuristic: errors raised by a collective whose peer went away."""
@@ -348,3 +434,15 @@ class ElasticTrainer:
         return dist.is_initialized() and any(w in text for w in (
             "connection", "peer", "gloo", "timed out", "timeout", "broken pipe", "nccl",
             "closed", "reset"))
+
+
+def _checkpoint_writer(directory: str | None, interval: float | None) -> CheckpointWriter | None:
+    """The job's checkpoint writer: the arguments, else pollux-run's ``--checkpoint-dir``
+    and ``--checkpoint-interval`` (through the environment), else none."""
+    directory = directory or os.environ.get(envvars.CHECKPOINT_DIR)
+    if not directory:
+        return None
+    if interval is None:
+        interval = float(os.environ.get(envvars.CHECKPOINT_INTERVAL,
+                                        envvars.DEFAULT_CHECKPOINT_INTERVAL))
+    return CheckpointWriter(directory, every=interval)

@@ -9,8 +9,15 @@ Protocol (keys in ``pollux_launch.keys``):
    never vanish: a candidate deletes it, by compare-and-swap, and campaigns.
 2. A round: read ``nodes/*`` and ``jobs/*/{spec,status,hints,allocation}``; build one
    ``JobInfo`` per unfinished job; ``policy.optimize``; for each job whose placement
-   changed, write ``Allocation(version + 1, ...)``. The writes are one transaction
-   conditioned on still holding leadership, so a deposed leader never writes.
+   changed, write ``Allocation(version + 1, ..., term)``. ``term`` is the create revision
+   of this leader's ``coordinator/leader`` key (a fencing token: it grows with every new
+   leadership). The writes are one transaction conditioned on the leader key still
+   having that create revision and our value, so a deposed leader never writes; node agents never go
+   back from an allocation of a newer term to an older one.
+4. Slots are held by processes, not by decisions: each node record carries its agent's
+   count of live workers per job, and slots still held by workers that an allocation
+   no longer places there (leaving, or left over from before a coordinator restart) are
+   not offered to other jobs until the agent says they exited.
 3. Rounds run every ``interval`` seconds and at once (after ``settle`` seconds, to batch
    bursts) when a job is submitted or finishes, or a node joins or leaves.
 
@@ -43,7 +50,7 @@ from .. import keys
 from ..messages import Allocation, JobHints, JobSpec, JobStatus, MessageError, NodeInfo, decode
 from ..messages import encode as encode_msg
 from ..policy import Policy, PolicyNode
-from ..rendezvous.store import Compare, Delete, KeyValue, Put, Store, StoreError
+from ..rendezvous.store import Compare, Delete, Event, KeyValue, Put, Store, StoreError
 from .jobs import SpeedupFn, job_info, model_speedup
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,7 @@ class Coordinator:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.rounds = 0
         self._lease = 0
+        self.term = 0  # the create revision of our leader key while we lead
         self._memo: dict[str, tuple[float, SpeedupFn | None]] = {}
 
     # -- one round -------------------------------------------------------------------
@@ -102,22 +110,26 @@ class Coordinator:
                     current[j, names.index(node)] += 1
         infos = [job_info(v.spec, v.hints, v.allocation, now, self._speedup(n, v))
                  for n, v in ((n, jobs[n]) for n in active)]
-        target = (self.policy.optimize(infos, [PolicyNode(n.name, n.slots) for n in nodes], current)
+        placed = {name: jobs[name].allocation for name in active}
+        free = [PolicyNode(n.name, _capacity(n, placed)) for n in nodes]
+        target = (self.policy.optimize(infos, free, current)
                   if active and nodes else current)
         writes: dict[str, Allocation] = {}
         for j, name in enumerate(active):
             old = jobs[name].allocation
             placement = _placement(old.nodes if old else (), target[j], names)
             if placement != (old.nodes if old else ()):  # (no key for "not placed yet")
-                writes[name] = Allocation(_next_version(old), placement, now)
+                writes[name] = Allocation(_next_version(old), placement, now, self.term)
         for name, view in jobs.items():  # finished jobs give their slots back
             if view.status and view.status.finished and view.allocation and view.allocation.nodes:
-                writes[name] = Allocation(view.allocation.version + 1, (), now)
+                writes[name] = Allocation(view.allocation.version + 1, (), now, self.term)
         for name in set(self._memo) - set(active):
             del self._memo[name]
         if writes:
             ops = [Put(keys.job(n, "allocation"), encode_msg(a)) for n, a in writes.items()]
-            guard = ([Compare(keys.LEADER, "value", "==", json.dumps(self.name))]
+            # (the value too: a put over our key keeps its create revision)
+            guard = ([Compare(keys.LEADER, "create_revision", "==", self.term),
+                      Compare(keys.LEADER, "value", "==", json.dumps(self.name))]
                      if self._lease else [])
             if not self.store.txn(guard, ops):
                 log.warning("coordinator %s lost leadership; round discarded", self.name)
@@ -211,8 +223,12 @@ class Coordinator:
     def _campaign(self) -> bool:
         lease = self.store.lease_grant(self.lease_ttl)
         if self.store.create(keys.LEADER, json.dumps(self.name), lease=lease):
-            self._lease = lease
-            log.info("coordinator %s is the leader", self.name)
+            held = self.store.get(keys.LEADER)
+            if held is None or held.lease != lease:  # lost it at once (lease lapsed)
+                self.store.lease_revoke(lease)
+                return False
+            self._lease, self.term = lease, held.create_revision
+            log.info("coordinator %s is the leader (term %d)", self.name, self.term)
             return True
         self.store.lease_revoke(lease)
         held = self.store.get(keys.LEADER)
@@ -238,7 +254,7 @@ class Coordinator:
                 events = self.store.wait("", rev, timeout=timeout)
                 if events:
                     rev = max(e.revision for e in events)
-                if any(_triggers_round(e.key) for e in events):
+                if any(self._triggers_round(e) for e in events):
                     stop.wait(self.settle)  # batch a burst of arrivals into one round
                     next_round = 0.0
         finally:
@@ -255,11 +271,31 @@ class Coordinator:
             self._lease = 0
 
 
-def _triggers_round(key: str) -> bool:
-    if key.startswith(keys.NODES):
-        return True
-    split = keys.split_job_key(key)
-    return split is not None and split[1] in ("spec", "status")
+    def _triggers_round(self, event: Event) -> bool:
+        """Jobs submitted or finished, nodes that join, leave or change size, or free a
+        slot (a leaving worker exited); not a node's workers merely starting."""
+        if event.key.startswith(keys.NODES):
+            if event.kind == "delete":
+                return True
+            try:
+                node = decode(NodeInfo, event.value)
+            except MessageError:
+                return False  # logged when the round reads it
+            known = self._known.get(node.name)
+            return (known is None or known.slots != node.slots
+                    or sum(node.workers.values()) < sum(known.workers.values()))
+        split = keys.split_job_key(event.key)
+        return split is not None and split[1] in ("spec", "status")
+
+
+def _capacity(node: NodeInfo, placed: dict[str, Allocation | None]) -> int:
+    """The slots of ``node`` the policy may hand out: its own, less those still held by
+    workers its agent runs beyond what their (unfinished) job's allocation places there
+    - but never fewer than those allocations already hold there (they are the policy's
+    starting point)."""
+    allocated = {name: alloc.nodes.count(node.name) for name, alloc in placed.items() if alloc}
+    leaving = sum(max(0, int(k) - allocated.get(job, 0)) for job, k in node.workers.items())
+    return max(node.slots - leaving, sum(allocated.values()))
 
 
 def _decode(cls, kv: KeyValue):

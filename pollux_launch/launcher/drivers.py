@@ -112,8 +112,15 @@ class JobDriver(ABC):
         """Whether an agent on ``node`` should create this driver for ``alloc``."""
 
     @abstractmethod
-    def reconcile(self, alloc: Allocation | None) -> None:
-        """Start what the allocation asks for and is missing; OSError if it cannot start."""
+    def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
+        """Start what the allocation asks for and is missing, but (a ``"node"`` driver) at
+        most ``free_slots`` processes that hold a slot: the agent never runs more of them
+        than the node has slots, whatever an allocation says. Returns how many it had to
+        defer for want of a slot; OSError if one cannot start."""
+
+    def slots_held(self) -> int:
+        """How many of this node's slots the driver's live processes hold."""
+        return 0
 
     @abstractmethod
     def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
@@ -146,17 +153,23 @@ class ReplicaDriver(JobDriver):
     def _want(self, alloc: Allocation | None) -> int:
         return alloc.nodes.count(self.ctx.node.name) if alloc else 0
 
-    def reconcile(self, alloc: Allocation | None) -> None:
+    def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
         import uuid
 
         running = len(self.group.alive())
-        for local_rank in range(running, self._want(alloc)):
+        want = self._want(alloc)
+        start = min(want, running + max(0, free_slots))
+        for local_rank in range(running, start):
             worker_id = f"{self.ctx.node.name}-{uuid.uuid4().hex[:8]}"
             extra = {**self.ctx.job_env(self.spec), **self._torch_env(alloc, local_rank),
                      ENV_WORKER_ID: worker_id}
             if self.ctx.runtime_dir:
                 extra[envvars.EXIT_FILE] = self._exit_file(worker_id)
             self.group.start(worker_id, extra)
+        return max(0, want - start)
+
+    def slots_held(self) -> int:
+        return len(self.group.alive())
 
     def _exit_file(self, worker_id: str) -> str:
         return os.path.join(self.ctx.runtime_dir or "", f"{worker_id}.exit")

@@ -12,6 +12,13 @@ Protocol (keys in ``pollux_launch.keys``):
   plays: a node agent (``sides={"node"}``) keeps one worker per replica the allocation
   places on its node; the launching ``pollux-run`` (``"launcher"``, without registering
   a node in cluster mode) runs one framework driver per job, e.g. ``horovodrun``.
+* Never runs more slot-holding processes than the node has slots, whatever allocations
+  say: a worker placed on a slot that a leaving worker (of any job) still holds starts
+  once that one exited. The record carries the agent's count of live workers per job,
+  so that the coordinator does not hand out slots that are still held.
+* Never goes back from an allocation to an older one (``Allocation.order``: leadership
+  term, then version), e.g. one written by a deposed coordinator or restored from a
+  backup.
 * Runs a job only if its spec is signed with the cluster secret (when one is set).
 * Reports exits as the driver classifies them: a worker that ends with exit 0 while
   still allocated completed the script: no process is replaced any more, and once the
@@ -25,6 +32,7 @@ Protocol (keys in ``pollux_launch.keys``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -97,6 +105,9 @@ class NodeAgent:
         self._finishing: dict[str, float] = {}  # job -> when to stop waiting for the rest
         self._lease = 0
         self._owns_node = False
+        self._workers: dict[str, int] = {}  # the live workers per job, as last published
+        self._newest: dict[str, Allocation] = {}  # per job: the newest allocation seen
+        self._logged: set[tuple[str, str, int, int]] = set()  # (what, job, *order), said once
 
     @property
     def registers(self) -> bool:
@@ -111,7 +122,8 @@ class NodeAgent:
         self._put_node()
 
     def _put_node(self) -> None:
-        key, value = keys.node(self.node.name), encode(self.node)
+        key = keys.node(self.node.name)
+        value = encode(dataclasses.replace(self.node, workers=dict(self._workers)))
         if self.local:  # shared by the machine's launchers: whoever finds it missing
             self._owns_node = self.store.create(key, value, lease=self._lease)
         else:  # this agent is the node's one agent: its record replaces a stale one
@@ -146,6 +158,46 @@ class NodeAgent:
             for cls in driver_classes(spec.framework):
                 if cls.side in self.sides:
                     self._drive(cls, spec, status, alloc, spec_text, signature)
+        self._publish_workers()
+
+    def _free_slots(self) -> int:
+        return self.node.slots - sum(d.slots_held() for (_, side), d in self.drivers.items()
+                                     if side == "node")
+
+    def _once(self, what: str, job: str, alloc: Allocation) -> bool:
+        key = (what, job, *alloc.order)
+        if key in self._logged:
+            return False
+        self._logged.add(key)
+        return True
+
+    def _publish_workers(self) -> None:
+        """Put the record again when the count of live workers per job changed (a shared
+        local record is not ours to rewrite: it stays as created)."""
+        counts = {}
+        for (name, side), driver in self.drivers.items():
+            if side == "node" and driver.slots_held():
+                counts[name] = counts.get(name, 0) + driver.slots_held()
+        if counts == self._workers or not self.registers:
+            return
+        self._workers = counts
+        if self._owns_node and not self.local:
+            self._put_node()
+
+    def _fenced(self, name: str, alloc: Allocation | None) -> Allocation | None:
+        """``alloc``, unless it is older than one already seen for the job (then that)."""
+        newest = self._newest.get(name)
+        if alloc is None:  # the job's keys were removed: a job of that name starts afresh
+            self._newest.pop(name, None)
+            return None
+        if newest is None or alloc.order >= newest.order:
+            self._newest[name] = alloc
+            return alloc
+        if self._once("stale", name, alloc):
+            log.warning("job %s: ignoring allocation v%d of term %d, older than v%d of term "
+                        "%d already seen (a deposed coordinator's write?)", name,
+                        alloc.version, alloc.term, newest.version, newest.term)
+        return newest
 
     def _drive(self, cls: type[JobDriver], spec: JobSpec, status: JobStatus | None,
                alloc: Allocation | None, spec_text: str, signature: str | None) -> None:
@@ -163,7 +215,7 @@ class NodeAgent:
         if name in self._finishing:
             return  # the script completed: replace no process
         try:
-            driver.reconcile(alloc)
+            deferred = driver.reconcile(alloc, self._free_slots())
         except OSError as exc:
             log.error("job %s: cannot start %r in %r: %s", name, spec.command[0],
                       spec.workdir, exc.strerror or exc)
@@ -173,6 +225,10 @@ class NodeAgent:
                 "command at the path and in the working directory it had where it was "
                 "submitted", self.clock()))
             return
+        if deferred and alloc is not None and self._once("wait", name, alloc):
+            log.info("job %s: %d process(es) wait for a free slot on node %s (its %d slots "
+                     "are held by running workers)", name, deferred, self.node.name,
+                     self.node.slots)
         if driver.alive() and (status is None or status.state == "pending"):
             self._set_status(name, JobStatus("running", None, "", self.clock()))
 
@@ -201,7 +257,7 @@ class NodeAgent:
     def _allocation(self, job: str) -> Allocation | None:
         kv = self.store.get(keys.job(job, "allocation"))
         try:
-            return decode(Allocation, kv.value) if kv else None
+            return self._fenced(job, decode(Allocation, kv.value) if kv else None)
         except MessageError:
             return None
 
@@ -236,7 +292,7 @@ class NodeAgent:
                 elif leaf == "status":
                     entry[1] = decode(JobStatus, kv.value)
                 elif leaf == "allocation":
-                    entry[2] = decode(Allocation, kv.value)
+                    entry[2] = self._fenced(name, decode(Allocation, kv.value))
                 else:
                     entry[4] = kv.value.strip('"')
             except MessageError as exc:

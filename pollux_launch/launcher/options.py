@@ -18,6 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import env as envvars
 from .frameworks import FRAMEWORKS, detect_framework
 from .hosts import Host, HostsError, parse_hostfile, parse_hosts
 from .store_args import add_store_arguments, store_options, worker_store_env
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=_unsupported_dest(flag), nargs="?", const="",
                        help=argparse.SUPPRESS)
     add_store_arguments(p)
+    x.add_argument("--checkpoint-dir", help="folder for the job's durable checkpoints (a path "
+                   "every node can reach): a job whose workers all died resumes from the "
+                   "newest one")
+    x.add_argument("--checkpoint-interval", type=float, default=None,
+                   help=f"seconds between checkpoints (default "
+                   f"{envvars.DEFAULT_CHECKPOINT_INTERVAL:g})")
     x.add_argument("--secret-file", help="cluster secret for signing the job spec "
                    "(or $POLLUX_SECRET / $POLLUX_SECRET_FILE)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
@@ -257,6 +264,7 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
             f"{', '.join(elastic)}: horovodrun elastic options, but this is a {framework} job "
             "(its rescales are scheduled by Pollux; bound them with --min-np/--max-np)"
         )
+    checkpoint_env = _checkpoint_env(ns, cwd)
     return LaunchOptions(
         command=command, np=np_, min_np=lo, max_np=hi, hosts=hosts,
         host_discovery_script=ns.host_discovery_script, slots_per_host=slots_per_host,
@@ -268,8 +276,31 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         fairness=ns.fairness, interval=ns.interval, realloc_delay=ns.realloc_delay,
         policy=ns.policy, framework=framework,
         horovod_env=horovod_env, store_options=store_options(ns),
-        worker_env=worker_store_env(ns), secret_file=ns.secret_file,
+        worker_env={**worker_store_env(ns), **checkpoint_env}, secret_file=ns.secret_file,
     )
+
+
+def _checkpoint_env(ns: argparse.Namespace, cwd: Path) -> dict[str, str]:
+    """The workers' checkpoint variables; the folder is made now, so that a path no one
+    can write is refused before anything starts."""
+    if ns.checkpoint_interval is not None and ns.checkpoint_interval <= 0:
+        raise OptionsError("--checkpoint-interval must be positive seconds")
+    if not ns.checkpoint_dir:
+        if ns.checkpoint_interval is not None:
+            raise OptionsError("--checkpoint-interval needs --checkpoint-dir DIR")
+        return {}
+    folder = (cwd / ns.checkpoint_dir).resolve()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OptionsError(f"--checkpoint-dir {ns.checkpoint_dir}: cannot create it "
+                           f"({exc.strerror or exc})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OptionsError(f"--checkpoint-dir {ns.checkpoint_dir}: not writable")
+    env = {envvars.CHECKPOINT_DIR: str(folder)}
+    if ns.checkpoint_interval is not None:
+        env[envvars.CHECKPOINT_INTERVAL] = repr(float(ns.checkpoint_interval))
+    return env
 
 
 def _default_job_name(command: tuple[str, ...]) -> str:

@@ -106,9 +106,15 @@ def render(store: Store, now: float | None = None) -> str:
             _restarts(view.get("restarts")),
             _age(now - spec.submit_time) if spec else "-",
         ])
-    node_rows = [[n.name, str(n.slots), str(used[n.name]), str(max(0, n.slots - used[n.name]))]
-                 for n in sorted(nodes.values(), key=lambda n: n.name)]
-    out = [_table(["NODE", "SLOTS", "USED", "FREE"], node_rows or [["(no nodes)", "", "", ""]])]
+    node_rows = []
+    for n in sorted(nodes.values(), key=lambda n: n.name):
+        # USED: what the allocations place there; RUNNING: the live workers its agent
+        # reports (a slot is free only when neither holds it)
+        running = sum(max(0, k) for k in n.workers.values())
+        node_rows.append([n.name, str(n.slots), str(used[n.name]), str(running or "-"),
+                          str(max(0, n.slots - max(used[n.name], running)))])
+    out = [_table(["NODE", "SLOTS", "USED", "RUNNING", "FREE"],
+                  node_rows or [["(no nodes)", "", "", "", ""]])]
     out.append(_table(
         ["JOB", "STATE", "GPUS PER NODE", "BATCH", "EFF", "GOODPUT", "SPEEDUP", "REALLOCS",
          "RESTARTS (LOST)", "AGE"], rows or [["(no jobs)"] + [""] * 9]))

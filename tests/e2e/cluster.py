@@ -98,6 +98,15 @@ class Cluster:
             prev = s["epoch"]
         return lost
 
+    def steps_lost(self) -> int:
+        """Optimiser steps trained again: how far rank 0's step count fell back."""
+        lost, prev = 0, None
+        for s in sorted((s for s in self.steps() if s["rank"] == 0), key=lambda s: s["t"]):
+            if prev is not None and s["step"] <= prev:
+                lost += prev - s["step"] + 1
+            prev = s["step"]
+        return lost
+
     def workers_left(self) -> list[psutil.Process]:
         """Worker processes of this cluster still running (orphans once jobs ended)."""
         out = []

@@ -11,11 +11,12 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 from cluster import POLLUX_RUN, Cluster
 
 from pollux_launch import keys
-from pollux_launch.messages import JobRestarts, decode
+from pollux_launch.messages import Allocation, JobHints, JobRestarts, NodeInfo, decode
 
 EPOCHS = 12
 
@@ -123,6 +124,88 @@ def test_only_node_agent_killed_and_restarted(cluster):
     out = subprocess.run([POLLUX_RUN, "status", "--store", cluster.url], capture_output=True,
                          text=True, timeout=60)
     assert "RESTARTS" in out.stdout and f"1 ({restarts.lost_progress:.0f} it)" in out.stdout
+
+
+def test_coordinator_killed_as_it_grows_a_job(cluster):
+    """The coordinator dies right after writing a change of allocation: the change is
+    carried out, the restarted coordinator (a new leadership term) moves nothing, and
+    the node records report exactly the workers that run."""
+    cluster.coordinator()
+    cluster.agent("n1", 1)
+    cluster.wait(lambda: cluster.store.get(keys.NODES + "n1"), 60, "n1 registered")
+    proc = cluster.submit("grow", "-np", "1", "--min-np", "1", "--max-np", "2", target=0.0,
+                          epochs=EPOCHS)
+    cluster.wait(lambda: len(cluster.steps()) >= 10, 120, "the job training")
+    cluster.agent("n2", 1)
+    cluster.wait(lambda: len(cluster.allocation("grow")) == 2, 120, "the grow allocation")
+    cluster.procs["coordinator"].kill()
+    cluster.procs["coordinator"].wait()
+    grown = decode(Allocation, cluster.store.get(keys.job("grow", "allocation")).value)
+    cluster.coordinator()
+    cluster.wait(lambda: sum(s["world"] == 2 for s in cluster.steps()) >= 20, 120,
+                 "the job training on both nodes")
+
+    def reported() -> dict[str, dict[str, int]]:
+        return {kv.key: decode(NodeInfo, kv.value).workers
+                for kv in cluster.store.get_prefix(keys.NODES)}
+
+    cluster.wait(lambda: reported() == {keys.node("n1"): {"grow": 1},
+                                        keys.node("n2"): {"grow": 1}}, 30, "the agents' view")
+    assert decode(Allocation, cluster.store.get(keys.job("grow", "allocation")).value) == grown
+    _assert_finished_whole(cluster, "grow", proc)
+    cluster.wait(lambda: cluster.allocation("grow") == (), 30, "the slots given back")
+    final = decode(Allocation, cluster.store.get(keys.job("grow", "allocation")).value)
+    assert final.term > grown.term  # written by the new leader
+
+
+def _checkpointing_job(cluster: Cluster, job: str, interval: float,
+                       epochs: int) -> subprocess.Popen:
+    """A coordinator, one node with one slot, and a one-replica job checkpointing into
+    ``cluster.tmp / "checkpoints"`` every ``interval`` seconds."""
+    cluster.coordinator()
+    cluster.agent("n1", 1)
+    cluster.wait(lambda: cluster.store.get(keys.NODES + "n1"), 60, "n1 registered")
+    return cluster.submit(job, "-np", "1", "--checkpoint-dir", str(cluster.tmp / "checkpoints"),
+                          "--checkpoint-interval", str(interval), target=0.0, epochs=epochs)
+
+
+def test_only_node_lost_resumes_from_the_last_checkpoint(cluster):
+    """The same loss with ``--checkpoint-dir``: the job resumes from its newest durable
+    checkpoint (at most one interval lost), and status counts only that as lost."""
+    proc = _checkpointing_job(cluster, "durable", interval=2, epochs=4)
+    cluster.wait(lambda: any(s["epoch"] >= 2 for s in cluster.steps()), 120, "two epochs")
+    before = decode(JobHints, cluster.store.get(keys.job("durable", "hints")).value).progress
+    cluster.procs["agent-n1"].kill()
+    cluster.procs["agent-n1"].wait()
+    cluster.agent("n1", 1)
+    assert proc.wait(timeout=240) == 0, cluster.log("durable")[-3000:]
+    pids = [s["pid"] for s in sorted(cluster.steps(), key=lambda s: s["t"])]
+    assert len(set(pids)) == 2
+    resumed = min((s for s in cluster.steps() if s["pid"] == pids[-1]), key=lambda s: s["t"])
+    assert resumed["step"] > 1 and resumed["epoch"] >= 1  # not from scratch
+    # 2 s of 0.1 s steps between checkpoints, the last one written in the background
+    assert 0 <= cluster.steps_lost() <= 40 and cluster.epochs_lost() <= 1
+    restarts = decode(JobRestarts, cluster.store.get(keys.job("durable", "restarts")).value)
+    assert restarts.count == 1 and restarts.resumed == 1
+    assert restarts.lost_progress < before / 2, (restarts, before)
+
+
+def test_sigterm_writes_a_final_checkpoint_that_the_job_resumes_from(cluster):
+    """SIGTERM to the only worker (a drained node, a batch system's preemption): rank 0
+    writes a final checkpoint at its step boundary and ends by the signal; the job's
+    replacement worker resumes from exactly there."""
+    proc = _checkpointing_job(cluster, "term", interval=600, epochs=3)
+    folder = cluster.tmp / "checkpoints"
+    cluster.wait(lambda: any(s["epoch"] >= 1 for s in cluster.steps()), 120, "an epoch trained")
+    assert not (folder / "latest").exists()  # no periodic checkpoint yet
+    victim = cluster.steps()[-1]["pid"]
+    os.kill(victim, signal.SIGTERM)
+    cluster.wait(lambda: not psutil.pid_exists(victim) or
+                 psutil.Process(victim).status() == psutil.STATUS_ZOMBIE, 30, "the worker to end")
+    assert (folder / "latest").exists()
+    assert proc.wait(timeout=240) == 0, cluster.log("term")[-3000:]
+    assert len({s["pid"] for s in cluster.steps()}) == 2
+    assert cluster.steps_lost() == 0 and cluster.epochs_lost() == 0
 
 
 def test_worker_sigkill_is_replaced_and_the_job_goes_on(cluster):

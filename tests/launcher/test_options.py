@@ -79,3 +79,19 @@ def test_framework_detection(tmp_path):
     assert detect_framework(["python", "plain.py", "--deepspeed_config", "c.json"]) == "deepspeed"
     o = parse_launch_args(["python", "hvd.py"], cwd=tmp_path)
     assert o.framework == "horovod"
+
+
+def test_checkpoint_flags_become_the_workers_environment(tmp_path):
+    o = parse_launch_args(["--checkpoint-dir", "ck", "--checkpoint-interval", "5", "python"],
+                          cwd=tmp_path)
+    assert o.worker_env["POLLUX_CHECKPOINT_DIR"] == str(tmp_path / "ck")
+    assert float(o.worker_env["POLLUX_CHECKPOINT_INTERVAL"]) == 5.0
+    assert (tmp_path / "ck").is_dir()  # made before anything starts
+    (tmp_path / "file").write_text("")
+    for argv, needle in [
+        (["--checkpoint-dir", "file/ck", "python"], "--checkpoint-dir file/ck: cannot create"),
+        (["--checkpoint-interval", "5", "python"], "needs --checkpoint-dir"),
+        (["--checkpoint-dir", "ck", "--checkpoint-interval", "0", "python"], "positive"),
+    ]:
+        with pytest.raises(OptionsError, match=needle):
+            parse_launch_args(argv, cwd=tmp_path)
