@@ -361,7 +361,12 @@ class PolluxEngine:
                 compat.clear_boundary_override(eng)
                 compat.align_micro_steps(eng)
             # a short step has fewer micro-batches than the statistics assume: not sampled
-            self.grad_stats.end_step(stepped=eng.skipped_steps == skipped and not short)
+            try:  # (a collective: a peer may die here too)
+                self.grad_stats.end_step(stepped=eng.skipped_steps == skipped and not short)
+            except RuntimeError as exc:
+                if self.driver is None or not self.driver.recover(exc):
+                    raise
+                return out  # the optimizer step was taken; the job re-formed after it
             if self._pending is not None:
                 self._apply_batch(*self._pending)
             if self.driver is not None:

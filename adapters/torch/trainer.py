@@ -98,6 +98,7 @@ class ElasticTrainer:
         self._ddp: DistributedDataParallel | None = None
         self.steps = 0
         self.last_lr_factor = 1.0
+        self._discard = False  # the forward of this micro-batch met a peer's failure
         config = AgentConfig(
             init_batch_size=loader.init_batch_size,
             max_batch_size=loader.max_batch_size,
@@ -156,6 +157,10 @@ class ElasticTrainer:
     def step(self, loss: torch.Tensor) -> bool:
         """Backward for this micro-batch; on the last micro-batch of an optimiser step also
         the (LR-scaled) optimiser step. True when the optimiser stepped."""
+        if self._discard:  # its forward failed; the job re-formed: this step is dropped
+            self._discard = False
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
         sync = self.loader.is_sync_step
         if self.loader.accum_steps:  # average, not sum, over the micro-batches of a step
             loss = loss / (self.loader.accum_steps + 1)
@@ -268,6 +273,16 @@ class ElasticTrainer:
         self._enter_round(sync_state=info.needs_state_sync)
         log.info("rescaled to %d replicas in %.3f s", info.world_size, time.perf_counter() - t0)
 
+    def _forward_failed(self, exc: RuntimeError, inputs: tuple, kwargs: dict) -> Any:
+        """DDP's forward runs collectives of its own (the bucket rebuild after the first
+        step, buffer broadcasts): a peer dying there re-forms the job like any failure,
+        and the caller gets the local module's output, whose step ``step()`` drops."""
+        if not self._distributed_failure(exc):
+            raise exc
+        self._recover(exc)
+        self._discard = True
+        return self.module(*inputs, **kwargs)
+
     def _recover(self, exc: BaseException, in_flight: bool = True) -> None:
         """A peer died mid-collective: form a failure round and take rank 0's state;
         ``in_flight``: the failure hit a step (its micro-batches are dropped)."""
@@ -291,8 +306,8 @@ class ElasticTrainer:
         self._ddp = None
         if p.world_size > 1:
             # elastic rounds sync state themselves (below); a static group syncs like DDP does
-            self._ddp = DistributedDataParallel(self.module, init_sync=not self.job.elastic,
-                                                **self._ddp_kwargs)
+            self._ddp = _ElasticDDP(self.module, self._forward_failed,
+                                    init_sync=not self.job.elastic, **self._ddp_kwargs)
         if sync_state:
             self._load_state(broadcast_state(self._state() if p.rank == 0 else None))
         self.loader.set_replicas(p.rank, p.world_size)
@@ -446,3 +461,18 @@ def _checkpoint_writer(directory: str | None, interval: float | None) -> Checkpo
         interval = float(os.environ.get(envvars.CHECKPOINT_INTERVAL,
                                         envvars.DEFAULT_CHECKPOINT_INTERVAL))
     return CheckpointWriter(directory, every=interval)
+
+
+class _ElasticDDP(DistributedDataParallel):
+    """DDP whose forward hands a collective's failure to the trainer (``on_failure``)
+    instead of raising it into the training loop, where nothing could recover it."""
+
+    def __init__(self, module: torch.nn.Module, on_failure: Any, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self._on_failure = on_failure
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            return self._on_failure(exc, inputs, kwargs)
