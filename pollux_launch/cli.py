@@ -8,8 +8,8 @@ subcommand lives in its own module exposing ``add_arguments(parser)`` and
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -25,8 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Errors a user can cause end as one line (no traceback) and exit code 2.
+    from .launcher.arguments import OneLineParser, OptionsError
     from .launcher.hosts import HostsError
-    from .launcher.options import OptionsError
     from .launcher.security import SecretError
     from .messages import MessageError
     from .rendezvous.store import StoreError
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in SUBCOMMANDS:
             module_name, help_text = SUBCOMMANDS[argv[0]]
             module = importlib.import_module(module_name)
-            parser = argparse.ArgumentParser(prog=f"pollux-run {argv[0]}", description=help_text)
+            parser = OneLineParser(prog=f"pollux-run {argv[0]}", description=help_text)
             module.add_arguments(parser)
             return int(module.run(parser.parse_args(argv[1:])) or 0)
         if not argv:
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `pollux-run status | head -1`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no flush error)
+        return 0
 
 
 def _launch(argv: list[str]) -> int:

@@ -21,6 +21,20 @@ CHECKPOINT_DIR = "POLLUX_CHECKPOINT_DIR"  # the job's durable checkpoints (pollu
 CHECKPOINT_INTERVAL = "POLLUX_CHECKPOINT_INTERVAL"  # seconds between them (default below)
 DEFAULT_CHECKPOINT_INTERVAL = 60.0
 
+# The operator's secrets, read by pollux-run and its services from their environment
+# and NEVER passed on to a job's processes (WorkerGroup strips them): the cluster secret
+# signs commands that every node agent runs; the store password opens the whole store.
+SECRET = "POLLUX_SECRET"
+SECRET_FILE = "POLLUX_SECRET_FILE"
+STORE_PASSWORD = "POLLUX_STORE_PASSWORD"
+SECRETS = (SECRET, SECRET_FILE, STORE_PASSWORD)
+
+
+def without_secrets(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` less the operator's secrets (for every process a job runs)."""
+    return {k: v for k, v in environ.items() if k not in SECRETS}
+
+
 # The transports' own variables, set per node from the interface that carries ADDR
 # (pollux_launch.rendezvous.network): gloo, NCCL's bootstrap sockets, Horovod's gloo.
 TRANSPORT_IFNAME = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE")

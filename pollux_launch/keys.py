@@ -19,6 +19,11 @@ Only JSON is stored; see ``pollux_launch.messages``.
 
 from __future__ import annotations
 
+import re
+
+# A name that is one level of a key: a node's, a job's, a worker's.
+NAME = re.compile(r"[A-Za-z0-9_.@:+-]{1,128}")
+
 NODES = "nodes/"
 JOBS = "jobs/"
 LEADER = "coordinator/leader"

@@ -1,8 +1,15 @@
 """Messages exchanged through the store: small frozen dataclasses serialised to JSON.
 
-Every message carries a schema version ``v``. Nothing read from the store is ever
-unpickled or evaluated: :func:`decode` parses JSON, checks the schema version and the
-field types, and raises :class:`MessageError` (a ``ValueError``) on anything malformed.
+Every message carries a schema version ``v``. Everything read from the store is
+untrusted input - any party with store access may have written it, a job's own rank 0
+writes its hints - and this module is the one layer that decodes it: :func:`decode`
+takes at most ``MAX_VALUE_BYTES`` of UTF-8 JSON, nested at most ``MAX_DEPTH`` deep, with
+finite numbers only; checks the schema version, every field's type, every number's
+range (``within``: ints that reach numpy stay small and exact) and every name (one
+level of a store key, ``keys.NAME``); and raises :class:`MessageError` (a
+``ValueError``) on anything else. Nothing is ever unpickled or evaluated. Services read
+through a :class:`ValueLog`, so that a bad value is logged once per key and revision,
+then ignored.
 
 Who writes what (key schema in ``rendezvous/README.md``):
 
@@ -23,12 +30,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import types
 import typing
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from . import keys
+
 SCHEMA_VERSION = 1
+MAX_VALUE_BYTES = 1 << 20  # a message of ours is a few KB at most
+MAX_DEPTH = 8  # the deepest message of ours nests 3 levels
+MAX_INT = 1 << 53  # any int beyond is refused: exact in a float, safe in numpy
+MAX_SLOTS = 4096  # per node
+MAX_REPLICAS = 1_000_000  # per job (also: JobSpec's "unbounded")
+MAX_BATCH = 1 << 31
 
 M = TypeVar("M")
 
@@ -37,20 +55,43 @@ class MessageError(ValueError):
     """A value read from the store is not a well-formed message."""
 
 
+def within(lo: float, hi: float, default: Any = dataclasses.MISSING,
+            factory: Any = dataclasses.MISSING) -> Any:
+    """A field whose numbers (or, for a container, each number in it) lie in [lo, hi]."""
+    return field(default=default, default_factory=factory, metadata={"range": (lo, hi)})
+
+
+def named(default: Any = dataclasses.MISSING) -> Any:
+    """A field that is a name (or a tuple of names): one level of a store key."""
+    return field(default=default, metadata={"name": True})
+
+
+_TIME = (0.0, 1e11)  # seconds since the epoch (to year 5138)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a job is and how it may be scaled (written once, at submission)."""
 
-    name: str
-    command: tuple[str, ...]
+    name: str = named()
+    command: tuple[str, ...] = ()
     framework: str = "torch"
-    initial_replicas: int = 1
-    min_replicas: int = 1
-    max_replicas: int = 1_000_000
+    initial_replicas: int = within(1, MAX_REPLICAS, 1)
+    min_replicas: int = within(1, MAX_REPLICAS, 1)
+    max_replicas: int = within(1, MAX_REPLICAS, MAX_REPLICAS)
     preemptible: bool = True
-    submit_time: float = 0.0
+    submit_time: float = within(*_TIME, 0.0)
     workdir: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    submission: str = ""  # random id of this submission (signed with the spec)
+    expires: float = within(*_TIME, 0.0)  # agents start nothing of it after (0: never)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise MessageError("JobSpec.command is empty")
+        if not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise MessageError("JobSpec: needs min_replicas <= initial_replicas <= "
+                               "max_replicas")
 
 
 @dataclass(frozen=True)
@@ -62,23 +103,36 @@ class JobHints:
     statistics normalised to ``init_batch_size`` (Pollux Eqn 4-6).
     """
 
-    init_batch_size: int
-    max_batch_size: int
-    local_bsz_bounds: tuple[int, int]
+    init_batch_size: int = within(1, MAX_BATCH)
+    max_batch_size: int = within(1, MAX_BATCH)
+    local_bsz_bounds: tuple[int, int] = within(1, MAX_BATCH)
     gradient_accumulation: bool = True
     adaptive_batch_size: bool = True
-    perf_params: dict[str, float] | None = None
-    grad_sqr: float | None = None
-    grad_var: float | None = None
-    max_profiled_replicas: int = 0
-    max_profiled_nodes: int = 0
-    num_nodes: int = 0
-    num_replicas: int = 0
-    local_bsz: int = 0
-    accum_steps: int = 0
-    progress: float = 0.0
-    restarts: int = 0
-    timestamp: float = 0.0
+    perf_params: dict[str, float] | None = within(0.0, 1e6, None)
+    grad_sqr: float | None = within(0.0, 1e30, None)
+    grad_var: float | None = within(0.0, 1e30, None)
+    max_profiled_replicas: int = within(0, MAX_REPLICAS, 0)
+    max_profiled_nodes: int = within(0, MAX_REPLICAS, 0)
+    num_nodes: int = within(0, MAX_REPLICAS, 0)
+    num_replicas: int = within(0, MAX_REPLICAS, 0)
+    local_bsz: int = within(0, MAX_BATCH, 0)
+    accum_steps: int = within(0, 1 << 20, 0)
+    progress: float = within(0.0, 1e15, 0.0)
+    restarts: int = within(0, MAX_INT, 0)
+    timestamp: float = within(*_TIME, 0.0)
+
+    def __post_init__(self) -> None:
+        lo, hi = self.local_bsz_bounds
+        if not (lo <= hi and self.init_batch_size <= self.max_batch_size):
+            raise MessageError("JobHints: needs local_bsz_bounds lo <= hi and "
+                               "init_batch_size <= max_batch_size")
+        if self.perf_params is not None:
+            from .goodput import PerfParams  # (the goodput core's own checks: names, ranges)
+
+            try:
+                PerfParams(**self.perf_params)
+            except (TypeError, ValueError) as exc:
+                raise MessageError(f"JobHints.perf_params: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -87,13 +141,17 @@ class Allocation:
 
     ``term`` is the writing coordinator's leadership term (the create revision of its
     ``coordinator/leader`` key): allocations are ordered by ``(term, version)``, and a
-    reader that has seen one never goes back to an older one (``pollux_launch.fencing``).
+    node agent that has seen one never goes back to an older one.
     """
 
-    version: int
-    nodes: tuple[str, ...]
-    timestamp: float = 0.0
-    term: int = 0
+    version: int = within(0, MAX_INT)
+    nodes: tuple[str, ...] = named()
+    timestamp: float = within(*_TIME, 0.0)
+    term: int = within(0, MAX_INT, 0)
+
+    def __post_init__(self) -> None:
+        if len(self.nodes) > MAX_REPLICAS:
+            raise MessageError("Allocation.nodes: more replicas than any job may have")
 
     @property
     def order(self) -> tuple[int, int]:
@@ -113,11 +171,16 @@ class NodeInfo:
     """A node agent's registration (kept under its lease). ``workers``: the agent's own
     view of the processes it runs, per job (each holds a slot until it has exited)."""
 
-    name: str
-    slots: int
+    name: str = named()
+    slots: int = within(0, MAX_SLOTS)
     address: str = "127.0.0.1"
-    timestamp: float = 0.0
-    workers: dict[str, int] = field(default_factory=dict)
+    timestamp: float = within(*_TIME, 0.0)
+    workers: dict[str, int] = within(0, MAX_SLOTS, factory=dict)
+
+    def __post_init__(self) -> None:
+        for job in self.workers:
+            if not keys.NAME.fullmatch(job):
+                raise MessageError(f"NodeInfo.workers: bad job name {job[:80]!r}")
 
 
 @dataclass(frozen=True)
@@ -125,17 +188,17 @@ class WorkerTask:
     """A process a job's launcher-side driver asks one node to run (Horovod's workers):
     the job's own command, with Horovod's variables for this slot."""
 
-    node: str
-    command: tuple[str, ...]
+    node: str = named()
+    command: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
-    index: int = 0
+    index: int = within(0, MAX_REPLICAS, 0)
 
 
 @dataclass(frozen=True)
 class TaskExit:
     """How a ``WorkerTask``'s process ended, written by the node agent that ran it."""
 
-    code: int
+    code: int = within(-255, 255)
 
 
 @dataclass(frozen=True)
@@ -146,10 +209,10 @@ class JobRestarts:
     (all the progress last reported), then - once that rank 0 resumed from a durable
     checkpoint - less the checkpoint's progress (``resumed``: the restarts so credited)."""
 
-    count: int
-    lost_progress: float = 0.0
-    timestamp: float = 0.0
-    resumed: int = 0
+    count: int = within(0, MAX_INT)
+    lost_progress: float = within(0.0, 1e15, 0.0)
+    timestamp: float = within(*_TIME, 0.0)
+    resumed: int = within(0, MAX_INT, 0)
 
 
 JOB_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
@@ -161,9 +224,9 @@ class JobStatus:
     """``state`` is one of JOB_STATES; ``exit_code`` is set once the job finished."""
 
     state: str
-    exit_code: int | None = None
+    exit_code: int | None = within(-255, 255, None)
     message: str = ""
-    timestamp: float = 0.0
+    timestamp: float = within(*_TIME, 0.0)
 
     def __post_init__(self) -> None:
         if self.state not in JOB_STATES:
@@ -181,12 +244,26 @@ def encode(msg: Any) -> str:
     return json.dumps(body, separators=(",", ":"), sort_keys=True)
 
 
+def _no_constant(token: str) -> Any:
+    raise MessageError(f"{token} is not a number JSON allows")
+
+
 def decode(cls: type[M], raw: str | bytes) -> M:
     """Parse and validate ``raw`` as a ``cls`` message; :class:`MessageError` if malformed."""
     name = cls.__name__
+    if len(raw) > MAX_VALUE_BYTES:
+        raise MessageError(f"{name}: {len(raw)} bytes, more than {MAX_VALUE_BYTES}")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        # a store hands over text with undecodable bytes as surrogates: not UTF-8 either
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        text.encode("utf-8")
+    except UnicodeError:
+        raise MessageError(f"{name}: not UTF-8 text") from None
+    if _depth(text) > MAX_DEPTH:
+        raise MessageError(f"{name}: nested more than {MAX_DEPTH} levels")
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except ValueError as exc:  # (MessageError included)
         raise MessageError(f"{name}: not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise MessageError(f"{name}: expected a JSON object, got {type(body).__name__}")
@@ -199,10 +276,61 @@ def decode(cls: type[M], raw: str | bytes) -> M:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise MessageError(f"{name}: missing field {f.name!r}")
             continue
-        kwargs[f.name] = _coerce(body.pop(f.name), hints[f.name], f"{name}.{f.name}")
+        value = _coerce(body.pop(f.name), hints[f.name], f"{name}.{f.name}")
+        _check(value, f.metadata, f"{name}.{f.name}")
+        kwargs[f.name] = value
     if body:
-        raise MessageError(f"{name}: unknown field(s) {sorted(body)}")
-    return cls(**kwargs)
+        raise MessageError(f"{name}: unknown field(s) {sorted(body)[:5]}")
+    try:
+        return cls(**kwargs)
+    except MessageError:
+        raise
+    except (TypeError, ValueError) as exc:  # a message's own invariants
+        raise MessageError(f"{name}: {exc}") from None
+
+
+def _depth(text: str) -> int:
+    """How deep ``text``'s JSON nests (brackets outside strings), before parsing it: a
+    deeply nested value would exhaust the parser's recursion."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:  # (fast: most values)
+        return 0
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_DEPTH:
+                return deepest
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _check(value: Any, meta: typing.Mapping[str, Any], where: str) -> None:
+    """A field's declared range / name rule, applied to each number / name in it."""
+    if value is None:
+        return
+    items = value.values() if isinstance(value, dict) else \
+        value if isinstance(value, tuple) else (value,)
+    if "range" in meta:
+        lo, hi = meta["range"]
+        for item in items:
+            if not lo <= item <= hi:
+                raise MessageError(f"{where}: {item!r} is outside [{lo:g}, {hi:g}]")
+    if meta.get("name"):
+        for item in items:
+            if not keys.NAME.fullmatch(item):
+                raise MessageError(f"{where}: {str(item)[:80]!r} is not a valid name")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -227,11 +355,42 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise MessageError(f"{where}: expected a number")
+        if (isinstance(value, int) and abs(value) > MAX_INT) or not math.isfinite(value):
+            raise MessageError(f"{where}: {value!r} is not a finite number in range")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise MessageError(f"{where}: expected an integer")
+        if abs(value) > MAX_INT:
+            raise MessageError(f"{where}: {value} is out of range")
         return value
     if tp in (str, bool) and not isinstance(value, tp):
         raise MessageError(f"{where}: expected {tp.__name__}")
     return value
+
+
+class ValueLog:
+    """One service's reader of store values: decodes through :func:`decode`, and logs a
+    malformed value once per key and revision (then it is ignored; a fixed value is
+    read again). Bounded: it remembers the last ``remember`` bad values."""
+
+    def __init__(self, logger: logging.Logger, remember: int = 4096) -> None:
+        self.log, self.remember = logger, remember
+        self._said: OrderedDict[tuple[str, int], None] = OrderedDict()
+
+    def read(self, cls: type[M], key: str, value: str, revision: int) -> M | None:
+        try:
+            return decode(cls, value)
+        except MessageError as exc:
+            self.bad(key, revision, str(exc))
+            return None
+
+    def bad(self, key: str, revision: int, why: str) -> None:
+        """Log ``why`` for ``key`` at ``revision``, unless that was said already."""
+        if (key, revision) in self._said:
+            return
+        self._said[(key, revision)] = None
+        if len(self._said) > self.remember:
+            self._said.popitem(last=False)
+        self.log.warning("ignoring malformed %s (revision %d): %s", key[:200], revision,
+                         why[:300])

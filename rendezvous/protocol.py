@@ -55,6 +55,7 @@ from pollux_launch.messages import (
     JobHints,
     JobRestarts,
     MessageError,
+    ValueLog,
     decode,
     encode,
 )
@@ -209,6 +210,7 @@ class Rendezvous:
                  owns_store: bool = False) -> None:
         self.store, self.config, self.owns_store = store, config or RendezvousConfig(), owns_store
         self.keys = JobKeys(job)
+        self._values = ValueLog(log)
         self.job = job
         self.node = check_name("node name", node or socket.gethostname())
         self.worker = check_name(
@@ -345,7 +347,9 @@ class Rendezvous:
         snap = {kv.key: kv for kv in self.store.get_prefix(k.prefix)}  # one read per look
         ptr_kv = snap.get(k.round)
         alloc_kv = snap.get(k.allocation)
-        alloc = self._decode(Allocation, alloc_kv) if alloc_kv else None
+        # a malformed allocation is no news (said once): the round in force stands
+        alloc = (self._values.read(Allocation, alloc_kv.key, alloc_kv.value,
+                                   alloc_kv.mod_revision) if alloc_kv else None)
         if ptr_kv is None:
             if alloc is None:
                 return _IDLE

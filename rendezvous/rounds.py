@@ -14,20 +14,19 @@ Everything here is pure: no store, no clock, no torch.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pollux_launch import keys
+from pollux_launch.messages import MAX_INT, MAX_REPLICAS, named, within
 
 REASONS = ("allocation", "failure", "membership")
-_NAME = re.compile(r"[A-Za-z0-9_.@:+-]{1,128}")
 
 
 def check_name(kind: str, name: object) -> str:
     """``name`` if it can be one level of a store key, else a one-line ValueError."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not keys.NAME.fullmatch(name):
         raise ValueError(f"bad {kind} {name!r}: use 1-128 characters from A-Z a-z 0-9 _ . @ : + -")
     return name
 
@@ -43,12 +42,12 @@ class RoundInfo:
     survivors keep their order and alive-but-absent survivors can be waited for.
     """
 
-    round: int
-    alloc_version: int
-    nodes: tuple[str, ...]
+    round: int = within(0, MAX_INT)
+    alloc_version: int = within(0, MAX_INT)
+    nodes: tuple[str, ...] = named()
     reason: str = "allocation"
-    prev_round: int = 0
-    prev_members: tuple[str, ...] = ()
+    prev_round: int = within(0, MAX_INT, 0)
+    prev_members: tuple[str, ...] = named(())
     timestamp: float = 0.0
 
 
@@ -56,10 +55,10 @@ class RoundInfo:
 class WorkerInfo:
     """A live worker (the key vanishes with its lease)."""
 
-    worker: str
-    node: str
-    addr: str
-    pid: int
+    worker: str = named()
+    node: str = named()
+    addr: str = ""
+    pid: int = within(0, MAX_INT, 0)
     timestamp: float = 0.0
 
 
@@ -67,12 +66,12 @@ class WorkerInfo:
 class Member:
     """A worker's join record for one round; ``prev_round`` 0 means a newcomer."""
 
-    worker: str
-    node: str
-    addr: str
-    pid: int
-    prev_round: int = 0
-    prev_rank: int = -1
+    worker: str = named()
+    node: str = named()
+    addr: str = ""
+    pid: int = within(0, MAX_INT, 0)
+    prev_round: int = within(0, MAX_INT, 0)
+    prev_rank: int = within(-1, MAX_REPLICAS, -1)
 
 
 @dataclass(frozen=True)
@@ -80,15 +79,15 @@ class RoundState:
     """A formed round: ``members`` in rank order, the node of each (``nodes``), and where
     rank 0's TCPStore listens."""
 
-    round: int
-    alloc_version: int
-    members: tuple[str, ...]
-    master_addr: str
-    master_port: int
+    round: int = within(0, MAX_INT)
+    alloc_version: int = within(0, MAX_INT)
+    members: tuple[str, ...] = named()
+    master_addr: str = ""
+    master_port: int = within(0, 65535, 0)
     reason: str = "allocation"
-    newcomers: tuple[str, ...] = ()
+    newcomers: tuple[str, ...] = named(())
     timestamp: float = 0.0
-    nodes: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = named(())
 
 
 # -- key schema ----------------------------------------------------------------------------

@@ -246,12 +246,20 @@ def _check_conflicts(ds: Mapping[str, Any], cfg: PolluxConfig) -> None:
             f"train_batch_size={bsz} conflicts with pollux.initial_batch_size="
             f"{cfg.initial_batch_size}; remove train_batch_size (pollux sets it)")
     micro = ds.get("train_micro_batch_size_per_gpu")
+    if micro == "auto":
+        raise PolluxConfigError(
+            'train_micro_batch_size_per_gpu="auto" (an HF Accelerate placeholder) with the '
+            "pollux section: remove it (pollux sets it)")
     lo, hi = cfg.micro_batch_size_range
     if micro is not None and not (isinstance(micro, int) and lo <= micro <= hi):
         raise PolluxConfigError(
             f"train_micro_batch_size_per_gpu={micro} lies outside pollux.micro_batch_size_range "
             f"[{lo}, {hi}]; remove it (pollux sets it)")
     gas = ds.get("gradient_accumulation_steps")
+    if gas is not None and (not isinstance(gas, int) or isinstance(gas, bool) or gas < 1):
+        raise PolluxConfigError(
+            f"gradient_accumulation_steps={gas!r} must be a positive integer; remove it "
+            "(pollux sets it)")
     if gas is not None and gas != 1 and not cfg.gradient_accumulation:
         raise PolluxConfigError(
             f"gradient_accumulation_steps={gas} but pollux.gradient_accumulation is false; "

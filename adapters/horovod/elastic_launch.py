@@ -24,7 +24,7 @@ import os
 import sys
 
 from pollux_launch import env as envvars
-from pollux_launch.messages import Allocation
+from pollux_launch.messages import Allocation, MessageError
 from pollux_launch.rendezvous.network import advertised_address, interface_of
 from pollux_launch.rendezvous.store import Store, StoreError, open_store
 
@@ -46,7 +46,7 @@ def discovery(store: Store, job: str):
         def find_available_hosts_and_slots(self) -> dict[str, int]:
             try:
                 alloc: Allocation | None = read_allocation(store, job)
-            except StoreError:  # keep the hosts we knew while the store is away
+            except (StoreError, MessageError):  # keep the hosts we knew meanwhile
                 return dict(self.last)
             hosts: dict[str, int] = {}
             for node in alloc.nodes if alloc else ():

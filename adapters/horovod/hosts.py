@@ -18,6 +18,7 @@ Horovod's elastic driver runs a *host-discovery script* about once a second and 
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import tempfile
@@ -28,6 +29,8 @@ from pathlib import Path
 from pollux_launch import keys
 from pollux_launch.messages import Allocation, MessageError, decode
 from pollux_launch.rendezvous.store.base import Store
+
+log = logging.getLogger(__name__)
 
 
 def hosts_from_allocation(
@@ -54,14 +57,10 @@ def format_hosts(hosts: Sequence[tuple[str, int]]) -> str:
 
 
 def read_allocation(store: Store, job: str) -> Allocation | None:
-    """The job's current allocation, None if there is none (or it is malformed)."""
+    """The job's current allocation, None if there is none; ``MessageError`` if it is
+    malformed (callers keep the hosts they had: a bad value must not shrink the job)."""
     kv = store.get(keys.job(job, "allocation"))
-    if kv is None:
-        return None
-    try:
-        return decode(Allocation, kv.value)
-    except MessageError:
-        return None
+    return decode(Allocation, kv.value) if kv is not None else None
 
 
 def write_hosts_file(path: str | os.PathLike[str], text: str) -> None:
@@ -118,7 +117,11 @@ class HostsFileMirror:
 
     def refresh(self) -> bool:
         """Re-read the allocation and rewrite the file if it changed; True if rewritten."""
-        alloc = read_allocation(self.store, self.job)
+        try:
+            alloc = read_allocation(self.store, self.job)
+        except MessageError as exc:
+            log.warning("job %s: ignoring a malformed allocation (%s)", self.job, exc)
+            return False
         addresses = self.addresses() if callable(self.addresses) else self.addresses
         text = format_hosts(hosts_from_allocation(alloc, addresses))
         self.version = alloc.version if alloc is not None else None

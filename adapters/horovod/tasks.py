@@ -43,6 +43,7 @@ from pollux_launch.messages import (
     JobSpec,
     MessageError,
     TaskExit,
+    ValueLog,
     WorkerTask,
     decode,
     encode,
@@ -162,6 +163,7 @@ class HorovodTaskDriver(JobDriver):
         super().__init__(spec, ctx)
         self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
                                  output_dir=ctx.output_dir, stdout=ctx.stdout)
+        self.values = ValueLog(log)
         _check_hostname(ctx.node.address)
 
     @classmethod
@@ -172,13 +174,12 @@ class HorovodTaskDriver(JobDriver):
         out = {}
         prefix = keys.job(self.spec.name, "tasks/")
         for kv in self.ctx.store.get_prefix(prefix):
-            try:
-                task = decode(WorkerTask, kv.value)
-            except MessageError as exc:
-                log.warning("ignoring malformed %s: %s", kv.key, exc)
-                continue
-            if task.node == self.ctx.node.name:
-                out[kv.key[len(prefix):]] = task
+            task = self.values.read(WorkerTask, kv.key, kv.value, kv.mod_revision)
+            task_id = kv.key[len(prefix):]
+            if task is not None and not keys.NAME.fullmatch(task_id):
+                self.values.bad(kv.key, kv.mod_revision, "its task id is not a valid name")
+            elif task is not None and task.node == self.ctx.node.name:
+                out[task_id] = task
         return out
 
     def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:

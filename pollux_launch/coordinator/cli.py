@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 
+from ..launcher.arguments import fairness, lease_seconds, seconds, seconds_or_zero
 from ..launcher.store_args import add_store_arguments, open_from_args
 from ..policy import DEFAULT_POLICY, POLICIES, make_policy
 from .service import Coordinator
@@ -20,15 +21,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help=f"search engine (default {DEFAULT_POLICY})")
-    parser.add_argument("--fairness", type=float, default=-1.0, help="fairness knob p (Eqn 14)")
-    parser.add_argument("--interval", type=float, default=60.0, help="seconds between rounds")
-    parser.add_argument("--realloc-delay", type=float, default=30.0,
+    parser.add_argument("--fairness", type=fairness, default=-1.0,
+                        help="fairness knob p (Eqn 14), in [-100, 1], not 0")
+    parser.add_argument("--interval", type=seconds, default=60.0, help="seconds between rounds")
+    parser.add_argument("--realloc-delay", type=seconds_or_zero, default=30.0,
                         help="expected seconds lost per re-allocation (delta of the penalty)")
     parser.add_argument("--no-interference-avoidance", action="store_true",
                         help="allow several multi-node jobs to share a node")
-    parser.add_argument("--lease-ttl", type=float, default=10.0,
+    parser.add_argument("--lease-ttl", type=lease_seconds, default=10.0,
                         help="leadership lease; a standby takes over this long after a crash")
-    parser.add_argument("--node-grace", type=float, default=40.0, metavar="S",
+    parser.add_argument("--node-grace", type=seconds_or_zero, default=40.0, metavar="S",
                         help="seconds a node may be missing from the store (agent dead, or "
                         "its lease lost in a store outage) before its jobs are moved; make "
                         "it outlast the store stalls to ride out (default 40)")
@@ -38,10 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
-    if not args.node_grace >= 0:
-        raise ValueError("--node-grace must be a number of seconds >= 0")
-    if args.fairness == 0:
-        raise ValueError("--fairness must not be 0 (use e.g. -1 for fair, 1 for plain sum)")
     policy = make_policy(args.policy, p=args.fairness, delta=args.realloc_delay,
                          interference_avoidance=not args.no_interference_avoidance)
     store, url = open_from_args(args)

@@ -47,10 +47,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import keys
-from ..messages import Allocation, JobHints, JobSpec, JobStatus, MessageError, NodeInfo, decode
+from ..messages import (
+    Allocation,
+    JobHints,
+    JobSpec,
+    JobStatus,
+    MessageError,
+    NodeInfo,
+    ValueLog,
+    decode,
+)
 from ..messages import encode as encode_msg
 from ..policy import Policy, PolicyNode
-from ..rendezvous.store import Compare, Delete, Event, KeyValue, Put, Store, StoreError
+from ..rendezvous.store import Compare, Delete, Event, Put, Store, StoreError
 from .jobs import SpeedupFn, job_info, model_speedup
 
 log = logging.getLogger(__name__)
@@ -63,6 +72,7 @@ class _JobView:
     status: JobStatus | None = None
     hints: JobHints | None = None
     allocation: Allocation | None = None
+    hints_revision: int = 0
 
 
 class Coordinator:
@@ -91,6 +101,8 @@ class Coordinator:
         self._lease = 0
         self.term = 0  # the create revision of our leader key while we lead
         self._memo: dict[str, tuple[float, SpeedupFn | None]] = {}
+        self.values = ValueLog(log)  # a bad value is logged once per key and revision
+        self._good: dict[str, Allocation] = {}  # per job: the last well-formed allocation
 
     # -- one round -------------------------------------------------------------------
     def schedule_once(self) -> dict[str, Allocation]:
@@ -112,8 +124,13 @@ class Coordinator:
                  for n, v in ((n, jobs[n]) for n in active)]
         placed = {name: jobs[name].allocation for name in active}
         free = [PolicyNode(n.name, _capacity(n, placed)) for n in nodes]
-        target = (self.policy.optimize(infos, free, current)
-                  if active and nodes else current)
+        target = current
+        if active and nodes:
+            try:
+                target = self.policy.optimize(infos, free, current)
+            except (ArithmeticError, ValueError) as exc:  # keep what runs; say it each round
+                log.error("policy %s failed (%s); allocations unchanged this round",
+                          type(self.policy).__name__, exc)
         writes: dict[str, Allocation] = {}
         for j, name in enumerate(active):
             old = jobs[name].allocation
@@ -125,6 +142,8 @@ class Coordinator:
                 writes[name] = Allocation(view.allocation.version + 1, (), now, self.term)
         for name in set(self._memo) - set(active):
             del self._memo[name]
+        for name in set(self._good) - set(jobs):
+            del self._good[name]
         if writes:
             ops = [Put(keys.job(n, "allocation"), encode_msg(a)) for n, a in writes.items()]
             # (the value too: a put over our key keeps its create revision)
@@ -135,6 +154,7 @@ class Coordinator:
                 log.warning("coordinator %s lost leadership; round discarded", self.name)
                 self._deposed = True
                 return {}
+            self._good.update(writes)
             for name, alloc in sorted(writes.items()):
                 log.info("allocation %s v%d: %s", name, alloc.version, _describe(alloc))
         self.rounds += 1
@@ -146,9 +166,26 @@ class Coordinator:
         stamp = view.hints.timestamp if view.hints else -1.0
         cached = self._memo.get(name)
         if cached is None or cached[0] != stamp:
-            cached = (stamp, model_speedup(view.hints) if view.hints else None)
+            cached = (stamp, self._checked_model(name, view.hints, view.hints_revision)
+                      if view.hints else None)
             self._memo[name] = cached
         return cached[1]
+
+    def _checked_model(self, name: str, hints: JobHints, revision: int) -> SpeedupFn | None:
+        """The job's model, if it gives finite speedups where the policy will look; else
+        None (the job is scheduled as if it had reported no model yet), said once. Hints
+        come from the job's own rank 0: they must never stop the scheduler."""
+        try:
+            fn = model_speedup(hints)
+            if fn is not None:
+                probe = np.asarray(fn(np.array([1, 1, 2, 8]), np.array([1, 2, 4, 64])))
+                if probe.shape != (4,) or not np.all(np.isfinite(probe)):
+                    raise ValueError("non-finite speedup")
+            return fn
+        except (ArithmeticError, ValueError) as exc:
+            self.values.bad(keys.job(name, "hints"), revision,
+                            f"its throughput model cannot be used ({exc})")
+            return None
 
     def _with_grace(self, present: list[NodeInfo], allocs: list[Allocation | None],
                     now: float) -> list[NodeInfo]:
@@ -187,8 +224,10 @@ class Coordinator:
     def _read_nodes(self) -> list[NodeInfo]:
         nodes = []
         for kv in self.store.get_prefix(keys.NODES):
-            node = _decode(NodeInfo, kv)
-            if node is not None and node.slots > 0:
+            node = self.values.read(NodeInfo, kv.key, kv.value, kv.mod_revision)
+            if node is not None and keys.node(node.name) != kv.key:
+                self.values.bad(kv.key, kv.mod_revision, f"names another node, {node.name!r}")
+            elif node is not None and node.slots > 0:
                 nodes.append(node)
         return sorted(nodes, key=lambda n: n.name)
 
@@ -199,9 +238,22 @@ class Coordinator:
             split = keys.split_job_key(kv.key)
             if split is None or split[1] not in kinds:
                 continue
-            value = _decode(kinds[split[1]], kv)
-            if value is not None:
-                setattr(jobs.setdefault(split[0], _JobView()), split[1], value)
+            value = self.values.read(kinds[split[1]], kv.key, kv.value, kv.mod_revision)
+            if value is None and split[1] == "allocation":
+                # a malformed allocation: the last good one we know, else "placed nowhere
+                # known" with a version above any it can have had (versions grow by one
+                # per write of the key, revisions by one per write of any key), so that
+                # the next allocation written supersedes it everywhere
+                value = self._good.get(split[0]) or Allocation(kv.mod_revision, ())
+            elif split[1] == "allocation":
+                self._good[split[0]] = value
+            if isinstance(value, JobSpec) and value.name != split[0]:
+                self.values.bad(kv.key, kv.mod_revision, f"names another job, {value.name!r}")
+            elif value is not None:
+                view = jobs.setdefault(split[0], _JobView())
+                setattr(view, split[1], value)
+                if split[1] == "hints":
+                    view.hints_revision = kv.mod_revision
         return jobs
 
     # -- the service -----------------------------------------------------------------
@@ -218,6 +270,10 @@ class Coordinator:
                 log.warning("coordinator: store problem (%s); retrying", exc)
                 self._store_lost = True
                 stop.wait(1.0)
+            except Exception:  # a bug must not take the cluster's scheduler down: say it
+                log.exception("coordinator: unexpected error; resigning and retrying in 5 s")
+                self._resign()
+                stop.wait(5.0)
         self._resign()
 
     def _campaign(self) -> bool:
@@ -270,7 +326,6 @@ class Coordinator:
                 pass
             self._lease = 0
 
-
     def _triggers_round(self, event: Event) -> bool:
         """Jobs submitted or finished, nodes that join, leave or change size, or free a
         slot (a leaving worker exited); not a node's workers merely starting."""
@@ -296,14 +351,6 @@ def _capacity(node: NodeInfo, placed: dict[str, Allocation | None]) -> int:
     allocated = {name: alloc.nodes.count(node.name) for name, alloc in placed.items() if alloc}
     leaving = sum(max(0, int(k) - allocated.get(job, 0)) for job, k in node.workers.items())
     return max(node.slots - leaving, sum(allocated.values()))
-
-
-def _decode(cls, kv: KeyValue):
-    try:
-        return decode(cls, kv.value)
-    except MessageError as exc:
-        log.warning("ignoring malformed %s: %s", kv.key, exc)
-        return None
 
 
 def _next_version(old: Allocation | None) -> int:

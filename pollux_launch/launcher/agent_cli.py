@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import threading
@@ -17,6 +18,8 @@ import time
 from ..messages import NodeInfo
 from ..rendezvous.network import advertised_address, interface_of
 from . import security
+from .arguments import lease_seconds, name
+from .arguments import slots as slot_count
 from .node_agent import NodeAgent
 from .run import local_slots_default
 from .store_args import add_store_arguments, open_from_args
@@ -24,8 +27,9 @@ from .store_args import add_store_arguments, open_from_args
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
-    parser.add_argument("--node-name", default=socket.gethostname(), help="this node's name")
-    parser.add_argument("--slots", type=int, default=None,
+    parser.add_argument("--node-name", type=name, default=socket.gethostname(),
+                        help="this node's name")
+    parser.add_argument("--slots", type=slot_count, default=None,
                         help="workers this node can run (default: its GPUs, else CPU cores)")
     parser.add_argument("--address", default=None,
                         help="address other nodes reach this one at (default: this host's "
@@ -35,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the one carrying --address)")
     parser.add_argument("--secret-file", help="cluster secret (or $POLLUX_SECRET)")
     parser.add_argument("--output-filename", help="directory for per-worker logs")
-    parser.add_argument("--lease-ttl", type=float, default=5.0, help="registration lease")
+    parser.add_argument("--state-dir", default=None,
+                        help="where the agent keeps what outlives it, e.g. the submissions "
+                        "it finished (default: ~/.local/state/pollux-launch/agent-NODE)")
+    parser.add_argument("--lease-ttl", type=lease_seconds, default=5.0,
+                        help="registration lease (seconds)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -43,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s agent[{args.node_name}] %(levelname)s %(message)s")
     slots = args.slots if args.slots is not None else local_slots_default()
-    if slots < 1:
-        raise ValueError("--slots must be at least 1")
     secret = security.load_secret(args.secret_file)
+    state_dir = args.state_dir or os.path.join(
+        os.path.expanduser("~"), ".local", "state", "pollux-launch", f"agent-{args.node_name}")
     if secret is None:
         logging.warning("no cluster secret set: this agent runs any job in the store")
     store, url = open_from_args(args)
@@ -63,5 +71,5 @@ def run(args: argparse.Namespace) -> int:
     with store:
         NodeAgent(store, node, url, args.store_prefix, secret=secret,
                   output_dir=args.output_filename, lease_ttl=args.lease_ttl,
-                  ifname=args.network_interface).serve(stop)
+                  ifname=args.network_interface, state_dir=state_dir).serve(stop)
     return 0

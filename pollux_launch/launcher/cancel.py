@@ -7,13 +7,15 @@ import sys
 import time
 
 from .. import keys
-from ..messages import JobStatus, encode
+from ..messages import JobStatus, MessageError, decode, encode
+from ..rendezvous.store import Compare, Put
+from .arguments import name
 from .store_args import add_store_arguments, open_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
-    parser.add_argument("job", help="name of the job to cancel")
+    parser.add_argument("job", type=name, help="name of the job to cancel")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,7 +25,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"pollux-run cancel: no job named {args.job!r}; see `pollux-run status`",
                   file=sys.stderr)
             return 1
+        key = keys.job(args.job, "status")
+        current = store.get(key)
+        try:
+            old = decode(JobStatus, current.value) if current else None
+        except MessageError:
+            old = None  # a malformed status is replaced by the cancellation
+        if old is not None and old.finished:
+            print(f"pollux-run cancel: job {args.job!r} already {old.state}; its name can "
+                  "be used again", file=sys.stderr)
+            return 1
         status = JobStatus("cancelled", 130, "cancelled by pollux-run cancel", time.time())
-        store.put(keys.job(args.job, "status"), encode(status))
-    print(f"cancelled {args.job}")
+        guard = [Compare(key, "mod_revision", "==", current.mod_revision if current else 0)]
+        if not store.txn(guard, [Put(key, encode(status))]):
+            print(f"pollux-run cancel: job {args.job!r} changed meanwhile; run it again",
+                  file=sys.stderr)
+            return 1
+    print(f"cancelled {args.job}; its name can be used again")
     return 0

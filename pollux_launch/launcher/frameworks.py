@@ -35,6 +35,20 @@ def detect_framework(command: Sequence[str], cwd: str | Path = ".") -> str:
     return "torch"
 
 
+def ds_config_paths(command: Sequence[str], cwd: str | Path = ".") -> list[Path]:
+    """The ds_config files ``command`` names (``--deepspeed_config X``, ``--ds_config=X``,
+    ``--ds-config X``), relative to ``cwd``: the launcher checks them before starting."""
+    flags = ("--deepspeed_config", "--ds_config", "--ds-config")
+    out = []
+    for i, arg in enumerate(command):
+        flag, eq, value = arg.partition("=")
+        if flag in flags:
+            value = value if eq else (command[i + 1] if i + 1 < len(command) else "")
+            if value:
+                out.append(Path(cwd, value))
+    return out
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace")[:1_000_000]

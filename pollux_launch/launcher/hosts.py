@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..messages import MAX_SLOTS
+
 _NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 
 
@@ -43,9 +45,12 @@ def parse_hostfile(path: str | Path, default_slots: int = 1) -> tuple[Host, ...]
     """Parse a hostfile of ``host slots=N`` lines."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise HostsError(f"--hostfile {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise HostsError(f"--hostfile {path}: not UTF-8 text; write 'hostname slots=N' "
+                         "lines") from None
     hosts = []
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -70,8 +75,8 @@ def parse_hostfile(path: str | Path, default_slots: int = 1) -> tuple[Host, ...]
 def _host(name: str, slots: int, where: str) -> Host:
     if not name or not _NAME.match(name):
         raise HostsError(f"{where}: {name!r} is not a valid host name")
-    if slots < 1:
-        raise HostsError(f"{where}: slots must be at least 1")
+    if not 1 <= slots <= MAX_SLOTS:
+        raise HostsError(f"{where}: slots must be a whole number from 1 to {MAX_SLOTS}")
     return Host(name, slots)
 
 

@@ -19,7 +19,9 @@ Protocol (keys in ``pollux_launch.keys``):
 * Never goes back from an allocation to an older one (``Allocation.order``: leadership
   term, then version), e.g. one written by a deposed coordinator or restored from a
   backup.
-* Runs a job only if its spec is signed with the cluster secret (when one is set).
+* Runs a job only if admitted (:mod:`.admission`: signed with the cluster secret, for
+  this job, unexpired, not a finished submission again); a refused job fails at once
+  (exit ``REFUSED``), so that it holds no slots.
 * Reports exits as the driver classifies them: a worker that ends with exit 0 while
   still allocated completed the script: no process is replaced any more, and once the
   job's other workers here exited too (or ``FINISH_GRACE`` passed) the job is
@@ -42,9 +44,18 @@ from collections.abc import Callable, Collection
 from typing import IO, TYPE_CHECKING
 
 from .. import keys
-from ..messages import Allocation, JobSpec, JobStatus, MessageError, NodeInfo, decode, encode
+from ..messages import (
+    Allocation,
+    JobSpec,
+    JobStatus,
+    MessageError,
+    NodeInfo,
+    ValueLog,
+    decode,
+    encode,
+)
 from ..rendezvous.store import Compare, Put, Store, StoreError
-from . import security
+from .admission import Admission
 from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this module)
     ENV_ADDR,
     ENV_JOB,
@@ -62,6 +73,9 @@ if TYPE_CHECKING:
     from .options import LaunchOptions
 
 log = logging.getLogger(__name__)
+
+REFUSED = 126  # the exit code of a job a node agent refused to run (admission.py)
+_LEAVES = {"spec": JobSpec, "status": JobStatus, "allocation": Allocation}
 
 # After one worker completed the script (exit 0 while allocated), how long the job's other
 # workers on this node get to complete it too before the job is reported succeeded.
@@ -86,10 +100,12 @@ class NodeAgent:
         launch_options: LaunchOptions | None = None,
         local: bool = False,
         ifname: str | None = None,
+        state_dir: str | None = None,
     ) -> None:
         """``sides``: which drivers this agent runs (``"node"``: it registers the node and
         runs per-replica workers; ``"launcher"``: it runs the framework drivers of the
-        jobs it launched, ``launch_options`` being their pollux-run flags)."""
+        jobs it launched, ``launch_options`` being their pollux-run flags); ``state_dir``:
+        where the agent keeps what must outlive it (``admission.py``)."""
         self.store, self.node, self.secret = store, node, secret
         self.store_url, self.store_prefix = store_url, store_prefix
         self.only_jobs, self.output_dir, self.stdout = only_jobs, output_dir, stdout
@@ -101,10 +117,13 @@ class NodeAgent:
                                      launch_options, local, ifname, self.runtime_dir)
         self.drivers: dict[tuple[str, Side], JobDriver] = {}  # (job, side) -> its driver
         self.exits: list[tuple[str, str, int]] = []  # (job, worker id, code), for callers
+        self.admission = Admission(secret, state_dir, clock)
         self._refused: set[str] = set()
+        self._incarnation: dict[str, int] = {}  # job -> its spec's create revision
         self._finishing: dict[str, float] = {}  # job -> when to stop waiting for the rest
         self._lease = 0
         self._owns_node = False
+        self.values = ValueLog(log)  # a bad value is logged once per key and revision
         self._workers: dict[str, int] = {}  # the live workers per job, as last published
         self._newest: dict[str, Allocation] = {}  # per job: the newest allocation seen
         self._logged: set[tuple[str, str, int, int]] = set()  # (what, job, *order), said once
@@ -145,8 +164,13 @@ class NodeAgent:
         ones and stop those of finished jobs. Reaping first means a worker that just
         finished the job is never replaced."""
         self._reap()
-        for name, (spec, status, alloc, spec_text, signature) in self._read_jobs().items():
+        for name, (spec, status, alloc, spec_text, signature, born) in self._read_jobs().items():
+            if born and self._incarnation.setdefault(name, born) != born:
+                self._forget(name)  # a new job of a finished one's name
+                self._incarnation[name] = born
             if status is not None and status.finished:
+                if spec is not None:
+                    self.admission.finished(spec)
                 mine = self._drivers_of(name)
                 if any(d.alive() for d in mine):
                     log.info("job %s is %s: stopping its processes here", name, status.state)
@@ -159,6 +183,17 @@ class NodeAgent:
                 if cls.side in self.sides:
                     self._drive(cls, spec, status, alloc, spec_text, signature)
         self._publish_workers()
+
+    def _forget(self, name: str) -> None:
+        """Drop what this agent holds of an earlier job of that name (it has finished:
+        its processes were stopped when it did)."""
+        for side in ("node", "launcher"):
+            driver = self.drivers.pop((name, side), None)
+            if driver is not None:
+                driver.stop(grace=5.0)
+        self._newest.pop(name, None)
+        self._finishing.pop(name, None)
+        self._refused.discard(name)
 
     def _free_slots(self) -> int:
         return self.node.slots - sum(d.slots_held() for (_, side), d in self.drivers.items()
@@ -205,10 +240,14 @@ class NodeAgent:
         driver = self.drivers.get((name, cls.side))
         if driver is None and not cls.wanted(alloc, self.node.name):
             return
-        if self.secret is not None and not security.verify(spec_text, signature, self.secret):
-            if name not in self._refused:
-                log.error("job %s: spec not signed with this cluster's secret; not run", name)
+        refusal = self.admission.refusal(spec, spec_text, signature)
+        if refusal is not None:
+            if name not in self._refused:  # the job fails at once: its slots are freed
                 self._refused.add(name)
+                log.error("job %s: not run: %s", name, refusal)
+                self._set_status(name, JobStatus(
+                    "failed", REFUSED, f"node {self.node.name} refused it: {refusal}",
+                    self.clock()))
             return
         if driver is None:
             driver = self.drivers[(name, cls.side)] = cls(spec, self.context)
@@ -256,10 +295,11 @@ class NodeAgent:
 
     def _allocation(self, job: str) -> Allocation | None:
         kv = self.store.get(keys.job(job, "allocation"))
-        try:
-            return self._fenced(job, decode(Allocation, kv.value) if kv else None)
-        except MessageError:
-            return None
+        if kv is None:
+            return self._fenced(job, None)
+        alloc = self.values.read(Allocation, kv.key, kv.value, kv.mod_revision)
+        # a malformed allocation changes nothing: the newest good one stands
+        return self._fenced(job, alloc) if alloc is not None else self._newest.get(job)
 
     def _set_status(self, job: str, status: JobStatus) -> None:
         """Move the job's state forward; a finished state is final (the first report wins)."""
@@ -270,7 +310,7 @@ class NodeAgent:
                 if decode(JobStatus, current.value).finished:
                     return
             except MessageError:
-                pass
+                pass  # a malformed status is replaced by this real one: nothing is lost
         guard = [Compare(key, "mod_revision", "==", current.mod_revision if current else 0)]
         self.store.txn(guard, [Put(key, encode(status))])
 
@@ -285,18 +325,20 @@ class NodeAgent:
                 continue
             if leaf not in ("spec", "status", "allocation", "signature"):
                 continue
-            entry = out.setdefault(name, [None, None, None, "", None])
-            try:
-                if leaf == "spec":
-                    entry[0], entry[3] = decode(JobSpec, kv.value), kv.value
-                elif leaf == "status":
-                    entry[1] = decode(JobStatus, kv.value)
-                elif leaf == "allocation":
-                    entry[2] = self._fenced(name, decode(Allocation, kv.value))
-                else:
-                    entry[4] = kv.value.strip('"')
-            except MessageError as exc:
-                log.warning("ignoring malformed %s: %s", kv.key, exc)
+            entry = out.setdefault(name, [None, None, None, "", None, 0])
+            if leaf == "signature":
+                entry[4] = kv.value.strip('"')[:256]
+                continue
+            value = self.values.read(_LEAVES[leaf], kv.key, kv.value, kv.mod_revision)
+            if leaf == "spec" and value is not None and value.name != name:
+                self.values.bad(kv.key, kv.mod_revision, f"is job {value.name!r}'s spec")
+            elif leaf == "spec" and value is not None:
+                entry[0], entry[3], entry[5] = value, kv.value, kv.create_revision
+            elif leaf == "status":
+                entry[1] = value
+            elif leaf == "allocation":  # a malformed one changes nothing (see _allocation)
+                entry[2] = (self._fenced(name, value) if value is not None
+                            else self._newest.get(name))
         return {k: tuple(v) for k, v in out.items()}
 
     # -- the service -----------------------------------------------------------------
@@ -314,6 +356,9 @@ class NodeAgent:
                 except StoreError as exc:
                     log.warning("node %s: store problem (%s); retrying", self.node.name, exc)
                     stop.wait(1.0)
+                except Exception:  # a bug must not stop the node's running workers: say it
+                    log.exception("node %s: unexpected error; retrying in 5 s", self.node.name)
+                    stop.wait(5.0)
         finally:
             self.drain()
 

@@ -19,14 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import env as envvars
-from .frameworks import FRAMEWORKS, detect_framework
+from .arguments import (
+    OneLineParser,
+    OptionsError,
+    count,
+    fairness,
+    seconds,
+    seconds_or_zero,
+    slots,
+)
+from .frameworks import FRAMEWORKS, detect_framework, ds_config_paths
 from .hosts import Host, HostsError, parse_hostfile, parse_hosts
 from .store_args import add_store_arguments, store_options, worker_store_env
-
-
-class OptionsError(ValueError):
-    """Bad command-line input; the message is one line that says how to fix it."""
-
 
 # horovodrun flags that only make sense for MPI/ssh/LSF launching.
 _UNSUPPORTED = {
@@ -93,7 +97,7 @@ class LaunchOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="pollux-run",
         usage="pollux-run [flags] COMMAND...   |   pollux-run SUBCOMMAND ...",
         description="Launch a goodput-adaptive, live-rescaling training job "
@@ -101,23 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     g = p.add_argument_group("horovodrun-compatible")
-    g.add_argument("-np", "--num-proc", dest="np", type=int, help="replicas to start with")
-    g.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+    g.add_argument("-np", "--num-proc", dest="np", type=count, help="replicas to start with")
+    g.add_argument("--min-np", "--min-num-proc", dest="min_np", type=count,
                    help="fewest replicas the job may run on (elastic)")
-    g.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int,
+    g.add_argument("--max-np", "--max-num-proc", dest="max_np", type=count,
                    help="most replicas the job may run on (elastic)")
     g.add_argument("-H", "--hosts", help="host1:slots,host2:slots - the hosts the job may use")
     g.add_argument("-hostfile", "--hostfile", dest="hostfile",
                    help="file of 'host slots=N' lines")
     g.add_argument("--host-discovery-script",
                    help="executable printing 'host[:slots]' lines: the hosts the job may use")
-    g.add_argument("--slots-per-host", type=int, default=None,
+    g.add_argument("--slots-per-host", type=slots, default=None,
                    help="slots of a host listed without a count")
     g.add_argument("--network-interface", "--network-interfaces", dest="network_interface",
                    help="interface(s) for worker traffic, e.g. lo or eth0")
-    g.add_argument("--start-timeout", type=float, default=None,
+    g.add_argument("--start-timeout", type=seconds, default=None,
                    help="seconds to wait for all workers to start (default 30)")
-    g.add_argument("--elastic-timeout", type=float, default=600.0,
+    g.add_argument("--elastic-timeout", type=seconds, default=600.0,
                    help="seconds to wait for min-np replicas to become available")
     g.add_argument("--reset-limit", type=int, default=None,
                    help="Horovod jobs: horovodrun's limit on elastic resets")
@@ -139,12 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = p.add_argument_group("pollux")
     x.add_argument("--job-name", help="unique job name (default: derived from the command)")
-    x.add_argument("--fairness", type=float, default=-1.0,
+    x.add_argument("--fairness", type=fairness, default=-1.0,
                    help="fairness knob p of the Pollux fitness (default -1; 1 = plain sum)")
-    x.add_argument("--interval", type=float, default=60.0,
+    x.add_argument("--interval", type=seconds, default=60.0,
                    help="seconds between scheduling rounds (default 60)")
     x.add_argument("--policy", help="scheduling policy name (default: the fastest exact one)")
-    x.add_argument("--realloc-delay", type=float, default=10.0,
+    x.add_argument("--realloc-delay", type=seconds_or_zero, default=10.0,
                    help="seconds a re-allocation is expected to cost a job (the policy's "
                    "penalty; default 10: live rescaling, not checkpoint-restart)")
     x.add_argument("--framework", default="auto", choices=("auto", *FRAMEWORKS),
@@ -156,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--checkpoint-dir", help="folder for the job's durable checkpoints (a path "
                    "every node can reach): a job whose workers all died resumes from the "
                    "newest one")
-    x.add_argument("--checkpoint-interval", type=float, default=None,
+    x.add_argument("--checkpoint-interval", type=seconds, default=None,
                    help=f"seconds between checkpoints (default "
                    f"{envvars.DEFAULT_CHECKPOINT_INTERVAL:g})")
     x.add_argument("--secret-file", help="cluster secret for signing the job spec "
@@ -221,19 +225,13 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
     if hosts is not None and lo > (slots := sum(h.slots for h in hosts)):
         raise OptionsError(f"--min-np {lo} needs more slots than the listed hosts' {slots}")
 
-    if ns.fairness == 0:
-        raise OptionsError("--fairness must not be 0 (use e.g. -1 for fair, 1 for plain sum)")
-    if ns.interval <= 0:
-        raise OptionsError("--interval must be positive seconds")
-    if ns.realloc_delay < 0:
-        raise OptionsError("--realloc-delay must be 0 or more seconds")
+    # (--fairness, --interval, --realloc-delay, the timeouts: checked by their types)
     start_timeout = ns.start_timeout
     if start_timeout is None:
-        start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT", 30))
-    for flag, value in (("--start-timeout", start_timeout),
-                        ("--elastic-timeout", ns.elastic_timeout)):
-        if value <= 0:
-            raise OptionsError(f"{flag} must be positive seconds")
+        try:
+            start_timeout = seconds(os.environ.get("HOROVOD_START_TIMEOUT", "30"))
+        except argparse.ArgumentTypeError as exc:
+            raise OptionsError(f"$HOROVOD_START_TIMEOUT: {exc}") from None
     if ns.reset_limit is not None and ns.reset_limit < 0:
         raise OptionsError("--reset-limit must be 0 or more")
     cooldown = tuple(ns.blacklist_cooldown_range) if ns.blacklist_cooldown_range else None
@@ -264,7 +262,11 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
             f"{', '.join(elastic)}: horovodrun elastic options, but this is a {framework} job "
             "(its rescales are scheduled by Pollux; bound them with --min-np/--max-np)"
         )
+    if framework == "deepspeed":
+        _check_ds_configs(command, cwd)
     checkpoint_env = _checkpoint_env(ns, cwd)
+    if ns.output_filename:
+        _writable_folder("--output-filename", ns.output_filename, cwd)
     return LaunchOptions(
         command=command, np=np_, min_np=lo, max_np=hi, hosts=hosts,
         host_discovery_script=ns.host_discovery_script, slots_per_host=slots_per_host,
@@ -283,20 +285,11 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
 def _checkpoint_env(ns: argparse.Namespace, cwd: Path) -> dict[str, str]:
     """The workers' checkpoint variables; the folder is made now, so that a path no one
     can write is refused before anything starts."""
-    if ns.checkpoint_interval is not None and ns.checkpoint_interval <= 0:
-        raise OptionsError("--checkpoint-interval must be positive seconds")
     if not ns.checkpoint_dir:
         if ns.checkpoint_interval is not None:
             raise OptionsError("--checkpoint-interval needs --checkpoint-dir DIR")
         return {}
-    folder = (cwd / ns.checkpoint_dir).resolve()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OptionsError(f"--checkpoint-dir {ns.checkpoint_dir}: cannot create it "
-                           f"({exc.strerror or exc})") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise OptionsError(f"--checkpoint-dir {ns.checkpoint_dir}: not writable")
+    folder = _writable_folder("--checkpoint-dir", ns.checkpoint_dir, cwd)
     env = {envvars.CHECKPOINT_DIR: str(folder)}
     if ns.checkpoint_interval is not None:
         env[envvars.CHECKPOINT_INTERVAL] = repr(float(ns.checkpoint_interval))
@@ -307,3 +300,32 @@ def _default_job_name(command: tuple[str, ...]) -> str:
     script = next((Path(a).stem for a in command if a.endswith(".py")), Path(command[0]).name)
     base = re.sub(r"[^a-z0-9\-]+", "-", script.lower()).strip("-") or "job"
     return f"{base[:40]}-{os.getpid()}"
+
+
+def _check_ds_configs(command: tuple[str, ...], cwd: Path) -> None:
+    """A DeepSpeed job's ds_config (its "pollux" section above all) is checked here,
+    before any worker starts, and a mistake names the file."""
+    from ..adapters.deepspeed.config import PolluxConfigError, parse_pollux_config
+
+    for path in ds_config_paths(command, cwd):
+        try:
+            parse_pollux_config(path)
+        except PolluxConfigError as exc:
+            text = str(exc)
+            raise OptionsError(text if str(path) in text else f"{path}: {text}") from None
+
+
+def _writable_folder(flag: str, given: str, cwd: Path) -> Path:
+    """``given`` (relative to ``cwd``) as an absolute folder, made now if missing, and
+    proven writable by writing into it - so that nothing is started that would lose
+    what it writes there."""
+    folder = (cwd / given).resolve()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".pollux-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise OptionsError(f"{flag} {given}: cannot write there ({exc.strerror or exc}); "
+                           "give a writable folder") from None
+    return folder

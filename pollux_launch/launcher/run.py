@@ -31,8 +31,10 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from typing import IO
 
+from .. import env as envvars
 from .. import keys
 from ..coordinator.service import Coordinator
 from ..messages import JobHints, JobSpec, JobStatus, MessageError, NodeInfo, decode, encode
@@ -48,6 +50,9 @@ from .store_args import DEFAULT_URL
 
 log = logging.getLogger(__name__)
 
+# How long agents accept a submitted spec for starting workers: bounds the replay of a
+# signed spec (admission.py); a job running longer gets no new workers after it.
+SPEC_TTL = 30 * 24 * 3600.0
 LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname()}
 
 
@@ -134,7 +139,7 @@ def _spec(opts: LaunchOptions, local: bool) -> JobSpec:
     env = {**opts.worker_env, **opts.horovod_env, "PYTHONUNBUFFERED": "1"}
     if opts.network_interface:
         env["GLOO_SOCKET_IFNAME"] = env["HOROVOD_GLOO_IFACE"] = opts.network_interface
-    env["POLLUX_LOG_LEVEL"] = opts.log_level
+    env[envvars.LOG_LEVEL] = opts.log_level
     # `python` in the command means the interpreter pollux-run runs in, as in a venv
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     command = opts.command if local else resolve_command(opts.command, env["PATH"])
@@ -142,6 +147,7 @@ def _spec(opts: LaunchOptions, local: bool) -> JobSpec:
         name=opts.job_name, command=command, framework=opts.framework,
         initial_replicas=opts.np, min_replicas=opts.min_np, max_replicas=opts.max_np,
         submit_time=time.time(), workdir=os.getcwd(), env=env,
+        submission=uuid.uuid4().hex, expires=time.time() + SPEC_TTL,
     )
 
 
@@ -163,13 +169,20 @@ def _submit(store: Store, spec: JobSpec, secret: bytes | None, lease: int) -> No
     """Create the job's keys atomically; a live job of the same name is a clash."""
     spec_key = keys.job(spec.name, "spec")
     status_key = keys.job(spec.name, "status")
-    old_status = store.get(status_key)
-    if store.get(spec_key) is not None:
-        raise OptionsError(f"job {spec.name!r} already exists in the store; choose another "
-                           f"--job-name or run `pollux-run cancel {spec.name}`")
+    old_spec, old_status = store.get(spec_key), store.get(status_key)
+    state = _read(store, status_key, JobStatus)
+    if old_spec is not None and not (state is not None and state.finished):
+        raise OptionsError(f"job {spec.name!r} already exists in the store and has not "
+                           f"finished; choose another --job-name or run `pollux-run cancel "
+                           f"{spec.name}` first")
     text = encode(spec)
-    ops = [Delete(keys.job(spec.name), prefix=True)] if old_status else []
-    if not store.txn([Compare(spec_key, "create_revision", "==", 0)], ops):
+    # a finished job of that name (or its leftovers) gives way: its keys go, atomically
+    # with the check that nothing changed meanwhile
+    guard = [Compare(spec_key, "mod_revision", "==", old_spec.mod_revision if old_spec else 0),
+             Compare(status_key, "mod_revision", "==",
+                     old_status.mod_revision if old_status else 0)]
+    ops = [Delete(keys.job(spec.name), prefix=True)] if old_spec or old_status else []
+    if not store.txn(guard, ops):
         raise OptionsError(f"job {spec.name!r} was just submitted by someone else")
     writes = [Put(spec_key, text, lease), Put(status_key, encode(JobStatus("pending")))]
     if secret is not None:

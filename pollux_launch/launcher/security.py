@@ -13,8 +13,9 @@ import hmac
 import os
 from pathlib import Path
 
-SECRET_ENV = "POLLUX_SECRET"
-SECRET_FILE_ENV = "POLLUX_SECRET_FILE"
+from .. import env as envvars
+
+SECRET_ENV, SECRET_FILE_ENV = envvars.SECRET, envvars.SECRET_FILE
 
 
 class SecretError(ValueError):

@@ -29,6 +29,7 @@ from ..messages import (
     decode,
 )
 from ..rendezvous.store import Store
+from .arguments import seconds
 from .store_args import add_store_arguments, open_from_args
 
 
@@ -148,7 +149,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
     parser.add_argument("--watch", action="store_true", help="refresh every --every seconds")
-    parser.add_argument("--every", type=float, default=2.0, help=argparse.SUPPRESS)
+    parser.add_argument("--every", type=seconds, default=2.0, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace, stdout: IO[str] | None = None) -> int:

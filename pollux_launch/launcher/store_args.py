@@ -11,10 +11,11 @@ import argparse
 import os
 from pathlib import Path
 
+from .. import env as envvars
 from ..rendezvous.store import Store, StoreError, open_store
 
 DEFAULT_URL = "embedded://"
-PASSWORD_ENV = "POLLUX_STORE_PASSWORD"
+PASSWORD_ENV = envvars.STORE_PASSWORD
 
 
 def add_store_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:

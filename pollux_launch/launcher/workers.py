@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
+from .. import env as envvars
+
 ExitKind = Literal["finished", "departed", "lost", "failed"]
 
 
@@ -73,7 +75,7 @@ class WorkerGroup:
         """Start one worker; raises OSError (one line) if the command cannot run."""
         index = self._next_index
         self._next_index += 1
-        env = {**os.environ, **self.env, **extra_env}
+        env = envvars.without_secrets({**os.environ, **self.env, **extra_env})
         proc = subprocess.Popen(
             self.command, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
@@ -92,8 +94,13 @@ class WorkerGroup:
         log = None
         if self.output_dir is not None:
             folder = self.output_dir / self.job / f"rank.{worker.index}"
-            folder.mkdir(parents=True, exist_ok=True)
-            log = open(folder / name, "a", buffering=1)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                log = open(folder / name, "a", buffering=1)
+            except OSError as exc:  # the output still reaches stdout: the pipe never stalls
+                with self._lock:
+                    self.stdout.write(f"[pollux] cannot write {folder / name}: "
+                                      f"{exc.strerror or exc}; output to stdout only\n")
         prefix = f"[{worker.index}]<{name}>:" if self.prefix_output else ""
         try:
             for line in pipe:

@@ -151,11 +151,15 @@ class EmbeddedStore(Store):
         self._conns_lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise StoreError(f"embedded store: cannot create {self.path.parent}: "
-                             f"{exc.strerror}; pick a writable path") from None
+        if self.path == default_path():  # ours to make; a path the user names is not
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as exc:
+                raise StoreError(f"embedded store: cannot create {self.path.parent}: "
+                                 f"{exc.strerror}; pick a writable path") from None
+        elif not self.path.parent.is_dir():
+            raise StoreError(f"embedded store: folder {self.path.parent} does not exist; "
+                             "create it, or give a path in an existing folder")
         self._conn()  # fail now, with a clear message, if the file is unusable
 
     @classmethod
@@ -179,6 +183,9 @@ class EmbeddedStore(Store):
         try:
             conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
                                    check_same_thread=False)
+            # bytes that are not UTF-8 (written by other means) reach the message layer,
+            # which refuses them, instead of failing the read
+            conn.text_factory = lambda raw: raw.decode("utf-8", "surrogateescape")
             conn.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
             if conn.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
                 raise StoreError(f"embedded store: {self.path} cannot use WAL mode "

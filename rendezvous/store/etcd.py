@@ -267,7 +267,7 @@ class EtcdStore(Store):
         return (self.prefix + check_key(key)).encode()
 
     def _kv(self, kv) -> KeyValue:
-        return KeyValue(kv.key.decode()[len(self.prefix):], kv.value.decode(),
+        return KeyValue(_text(kv.key)[len(self.prefix):], _text(kv.value),
                         kv.create_revision, kv.mod_revision, kv.lease)
 
     def _range(self, req: etcdrpc.RangeRequest, what: str):
@@ -430,8 +430,8 @@ class EtcdStore(Store):
                     self._healthy[index] = True
                 if resp.events:
                     n = len(self.prefix)
-                    return [Event("delete" if e.type == 1 else "put", e.kv.key.decode()[n:],
-                                  "" if e.type == 1 else e.kv.value.decode(), e.kv.mod_revision)
+                    return [Event("delete" if e.type == 1 else "put", _text(e.kv.key)[n:],
+                                  "" if e.type == 1 else _text(e.kv.value), e.kv.mod_revision)
                             for e in resp.events]
             return []
         finally:
@@ -444,3 +444,9 @@ class EtcdStore(Store):
         self._closed = True
         for ch in self._channels:
             ch.close()
+
+
+def _text(raw: bytes) -> str:
+    """Any bytes someone put in etcd, as text: undecodable bytes become surrogates, which
+    the message layer refuses as not UTF-8 (``pollux_launch.messages.decode``)."""
+    return raw.decode("utf-8", "surrogateescape")

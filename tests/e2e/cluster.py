@@ -71,7 +71,8 @@ class Cluster:
         """A node agent; on loopback unless ``host`` (then it finds its own address)."""
         where = () if host is not None else ("--address", "127.0.0.1")
         self.start(f"agent-{node}", "agent", "--store", self.url, "--node-name", node,
-                   "--slots", str(slots), "--lease-ttl", "2", *where, host=host)
+                   "--slots", str(slots), "--lease-ttl", "2", "--state-dir",
+                   str(self.tmp / f"state-{node}"), *where, host=host)
 
     def submit(self, job: str, *flags: str, target: float = 0.85, epochs: int | None = None,
                host=None) -> subprocess.Popen:

@@ -109,7 +109,8 @@ def test_failing_worker_sets_exit_code_and_frees_slots(cluster, tmp_path):
 
 
 def test_unsigned_spec_is_not_run(cluster, tmp_path):
-    """An agent with a cluster secret refuses a job submitted without it."""
+    """An agent with a cluster secret refuses a job submitted without it: the job fails
+    at once with one line saying why, and its slots are freed."""
     cluster.agent("n1", 1)
     cluster.coordinator()
     env = {k: v for k, v in cluster.env.items() if k != "POLLUX_SECRET"}
@@ -117,11 +118,11 @@ def test_unsigned_spec_is_not_run(cluster, tmp_path):
     proc = subprocess.Popen([POLLUX_RUN, "--store", cluster.url, "--job-name", "rogue",
                              sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
-    cluster.wait(lambda: cluster.allocation("rogue"), 60, "the rogue job to be allocated")
-    time.sleep(3)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 126, out
+    assert "refused it: its spec is not signed with this cluster's secret" in out
     assert not marker.exists()
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) != 0
+    cluster.wait(lambda: cluster.allocation("rogue") == (), 30, "its slots freed")
     log = (tmp_path / "agent-n1.log").read_text()
     assert "not signed" in log and SECRET not in log
 

@@ -89,9 +89,10 @@ def test_checkpoint_flags_become_the_workers_environment(tmp_path):
     assert (tmp_path / "ck").is_dir()  # made before anything starts
     (tmp_path / "file").write_text("")
     for argv, needle in [
-        (["--checkpoint-dir", "file/ck", "python"], "--checkpoint-dir file/ck: cannot create"),
+        (["--checkpoint-dir", "file/ck", "python"], "--checkpoint-dir file/ck: cannot write"),
         (["--checkpoint-interval", "5", "python"], "needs --checkpoint-dir"),
         (["--checkpoint-dir", "ck", "--checkpoint-interval", "0", "python"], "positive"),
+        (["--checkpoint-dir", "ck", "--checkpoint-interval", "nan", "python"], "finite"),
     ]:
         with pytest.raises(OptionsError, match=needle):
             parse_launch_args(argv, cwd=tmp_path)

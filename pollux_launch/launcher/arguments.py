@@ -1,0 +1,88 @@
+"""Command-line values, checked where argparse reads them: every bad one ends as ONE line
+naming the flag and the fix (``pollux-run: error: ...``, exit code 2), never a usage
+dump or a traceback. Every ``pollux-run`` parser is a :class:`OneLineParser`, and every
+number flag takes one of the types below (``nan`` and ``inf`` are never a setting)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import NoReturn
+
+from .. import keys
+from ..messages import MAX_SLOTS
+
+
+class OptionsError(ValueError):
+    """Bad command-line input; the message is one line that says how to fix it."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise OptionsError(f"{message} (see {self.prog} --help)")
+
+
+def _number(text: str, cast=float):
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be positive seconds")
+    return value
+
+
+def seconds_or_zero(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more seconds")
+    return value
+
+
+def lease_seconds(text: str) -> float:
+    """A lease TTL: etcd grants whole seconds, at least one."""
+    value = _number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1 second")
+    return value
+
+
+def count(text: str) -> int:
+    """A positive count (replicas, restarts)."""
+    value = _number(text, int)
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"{text} must be a whole number from 1 to 1000000")
+    return value
+
+
+def slots(text: str) -> int:
+    value = _number(text, int)
+    if not 1 <= value <= MAX_SLOTS:
+        raise argparse.ArgumentTypeError(f"{text} must be a whole number from 1 to {MAX_SLOTS}")
+    return value
+
+
+def fairness(text: str) -> float:
+    """Pollux's fairness knob p (Eqn 14): 1 is the plain sum of speedups, lower is fairer;
+    p > 1 would favour the fastest jobs and p = 0 is undefined."""
+    value = _number(text)
+    if not -100 <= value <= 1 or value == 0:
+        raise argparse.ArgumentTypeError(
+            f"{text} must lie in [-100, 1] and not be 0 (e.g. -1 for fair, 1 for plain sum)")
+    return value
+
+
+def name(text: str) -> str:
+    """A node or job name: one level of a store key."""
+    if not keys.NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be 1-128 characters from A-Z a-z 0-9 _ . @ : + -")
+    return text
