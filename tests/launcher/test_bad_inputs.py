@@ -25,9 +25,9 @@ def _inputs(tmp: Path) -> None:
     (tmp / "latin1-hosts").write_bytes(b"h\xf6st slots=2\n")
     (tmp / "a-file").write_text("")
     (tmp / "ds-gas0.json").write_text('{"gradient_accumulation_steps": 0, "pollux": '
-                                      '{"initial_batch_size": 32}}')
+                                      '{"enabled": true, "initial_batch_size": 32}}')
     (tmp / "ds-auto.json").write_text('{"train_micro_batch_size_per_gpu": "auto", "pollux": '
-                                      '{"initial_batch_size": 32}}')
+                                      '{"enabled": true, "initial_batch_size": 32}}')
     (tmp / "ds-unknown.json").write_text('{"pollux": {"initial_batch_sise": 32}}')
 
 

@@ -19,8 +19,11 @@ def test_urls(tmp_path, monkeypatch):
         with pytest.raises(StoreError, match="embedded:///absolute"):
             path_from_url(bad)
     (tmp_path / "file").write_text("")
-    with pytest.raises(StoreError, match="cannot create"):
+    with pytest.raises(StoreError, match="does not exist"):  # a path the user names: not made
         open_store(f"embedded://{tmp_path}/file/sub/s.db")
+    with pytest.raises(StoreError, match="does not exist"):
+        open_store(f"embedded://{tmp_path}/new/s.db")
+    assert not (tmp_path / "new").exists()
     (tmp_path / "junk.db").write_bytes(b"this is not a database" * 100)
     with pytest.raises(StoreError, match=r"junk\.db"):
         open_store(f"embedded://{tmp_path}/junk.db")
