@@ -98,9 +98,11 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     threads: list[threading.Thread] = []
     lease = store.lease_grant(10.0) if local else 0
     keeper = store.keep_alive(lease, 3.0) if local else None
+    submitted = False  # the job's keys are ours to remove only once we wrote them
     try:
         spec = _spec(opts, local)
         _submit(store, spec, secret, lease)
+        submitted = True
         if local:
             node = NodeInfo(socket.gethostname(), slots, "127.0.0.1", time.time())
             policy = make_policy(opts.policy or DEFAULT_POLICY, p=opts.fairness,
@@ -128,8 +130,9 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
         stop.set()
         for thread in threads:
             thread.join(timeout=30)
-        if local:
+        if local and submitted:
             store.delete(keys.job(opts.job_name), prefix=True)
+        if local:
             if keeper is not None:
                 keeper.stop(revoke=True)
         store.close()

@@ -71,9 +71,11 @@ def test_mirror_follows_allocation_and_cat_script_reads_it(embedded, tmp_path):
         assert mirror.version == 2
         out = subprocess.run([str(script)], capture_output=True, text=True, check=True)
         assert out.stdout == "localhost:3\nn2:1\n"
-        # Malformed JSON in the store is never executed: it reads as no allocation.
+        # Malformed JSON in the store is never executed, and changes nothing: the job
+        # keeps its hosts (a bad value must not shrink it)
         store.put(key, '{"v": 1, "version": "x"}')
-        assert _wait_for(lambda: hosts.read_text() == "")
+        assert not _wait_for(lambda: hosts.read_text() != "localhost:3\nn2:1\n", timeout=2.0)
+        assert mirror.version == 2
 
 
 def test_discover_entry_point_reads_the_store(embedded):

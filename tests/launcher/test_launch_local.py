@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pollux_launch import keys
-from pollux_launch.messages import JobSpec, encode
+from pollux_launch.messages import JobSpec, JobStatus, encode
 from pollux_launch.rendezvous.store import open_store
 
 PYTHON = sys.executable
@@ -65,6 +65,20 @@ def test_duplicate_job_name_is_refused(tmp_path, store_url):
         store.put(keys.job("taken", "spec"), encode(spec))
     out = run(["--store", store_url, "--job-name", "taken", PYTHON, "-c", "pass"], tmp_path)
     assert out.returncode == 2 and "already exists" in out.stderr
+
+
+def test_a_finished_jobs_name_can_be_used_again(tmp_path, store_url):
+    """After `pollux-run cancel` (or any end) the name is free, as the message says; a job
+    of that name that has not finished keeps it."""
+    with open_store(store_url) as store:
+        store.put(keys.job("again", "spec"), encode(JobSpec(name="again", command=("true",))))
+        store.put(keys.job("again", "status"), encode(JobStatus("running")))
+    out = run(["--store", store_url, "--job-name", "again", PYTHON, "-c", "pass"], tmp_path)
+    assert out.returncode == 2 and "has not finished" in out.stderr
+    cancel = run(["cancel", "--store", store_url, "again"], tmp_path)
+    assert cancel.returncode == 0 and "can be used again" in cancel.stdout
+    out = run(["--store", store_url, "--job-name", "again", PYTHON, "-c", "pass"], tmp_path)
+    assert out.returncode == 0 and "again: succeeded" in out.stdout, out.stderr
 
 
 def test_status_shows_nodes_and_jobs(tmp_path, store_url):

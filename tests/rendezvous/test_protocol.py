@@ -77,9 +77,18 @@ def test_no_allocation_times_out_clearly(store):
             rdzv.next_round()
 
 
+@pytest.mark.parametrize("value", ["not json", '{"v":1,"version":"two","nodes":["local"]}'])
+def test_a_malformed_allocation_is_no_news(store, value):
+    """Anyone with store access may write it: it is ignored (said once), like no
+    allocation at all, never an error that would end the job's workers."""
+    _allocate(store, "bad", 1, 1)
+    store.put("jobs/bad/allocation", value)
+    with Rendezvous(store, "bad", "w0", node="local", config=FAST) as rdzv:
+        with pytest.raises(RendezvousTimeout, match="found no round to join"):
+            rdzv.next_round()
+
+
 @pytest.mark.parametrize("key,value", [
-    ("allocation", "not json"),
-    ("allocation", '{"v":1,"version":"two","nodes":["local"]}'),
     ("rdzv/round", '{"v":1,"round":1,"alloc_version":1,"nodes":["local"],"evil":1}'),
 ])
 def test_malformed_store_values_raise_rendezvous_error(store, key, value):
