@@ -8,8 +8,20 @@ contract and keep torchrun's meaning.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 STORE = "POLLUX_STORE"  # the store URL (never with a password: see store_args)
 PREFIX = "POLLUX_STORE_PREFIX"  # the cluster's key prefix
+DEFAULT_PREFIX = "/pollux"
+# How a job's processes reach an etcd with TLS and authentication: the CA and client
+# certificate files, and the job's OWN store user and password file (scoped to the job's
+# keys by its node agent: ``Store.scoped_credentials``), never the operator's.
+STORE_CA_CERT = "POLLUX_STORE_CA_CERT"
+STORE_CERT = "POLLUX_STORE_CERT"
+STORE_KEY = "POLLUX_STORE_KEY"
+STORE_USER = "POLLUX_STORE_USER"
+STORE_PASSWORD_FILE = "POLLUX_STORE_PASSWORD_FILE"
 JOB = "POLLUX_JOB"  # the job's name
 NODE = "POLLUX_NODE"  # the node this worker runs on
 WORKER_ID = "POLLUX_WORKER_ID"  # this worker's id, unique in the job
@@ -33,6 +45,40 @@ SECRETS = (SECRET, SECRET_FILE, STORE_PASSWORD)
 def without_secrets(environ: dict[str, str]) -> dict[str, str]:
     """``environ`` less the operator's secrets (for every process a job runs)."""
     return {k: v for k, v in environ.items() if k not in SECRETS}
+
+
+def store_options(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """``open_store`` options for a job's process, from the variables above (TLS files,
+    its store user and that user's password, read from its file)."""
+    environ = os.environ if environ is None else environ
+    opts: dict[str, object] = {}
+    for var, name in ((STORE_CA_CERT, "ca_cert"), (STORE_CERT, "cert_cert"),
+                      (STORE_KEY, "cert_key"), (STORE_USER, "user")):
+        if environ.get(var):
+            opts[name] = environ[var]
+    if environ.get(STORE_PASSWORD_FILE):
+        path = environ[STORE_PASSWORD_FILE]
+        try:
+            with open(path) as f:
+                opts["password"] = f.read().strip()
+        except OSError as exc:
+            from .rendezvous.store import StoreError
+
+            raise StoreError(f"${STORE_PASSWORD_FILE} {path}: cannot read it "
+                             f"({exc.strerror})") from None
+    return opts
+
+
+def store_from_env(environ: Mapping[str, str] | None = None, **options: object):
+    """The store a job's process was started with (``POLLUX_STORE``, its prefix, TLS and
+    credentials); ``options`` go to ``open_store`` too (e.g. ``timeout``)."""
+    from .rendezvous.store import StoreError, open_store
+
+    environ = os.environ if environ is None else environ
+    if not environ.get(STORE):
+        raise StoreError(f"{STORE} is not set: start the process with pollux-run")
+    return open_store(environ[STORE], environ.get(PREFIX, DEFAULT_PREFIX),
+                      **{**store_options(environ), **options})
 
 
 # The transports' own variables, set per node from the interface that carries ADDR

@@ -83,7 +83,6 @@ from .store import (
     StoreCompacted,
     StoreError,
     StoreUnavailable,
-    open_store,
 )
 
 log = logging.getLogger(__name__)
@@ -257,9 +256,10 @@ class Rendezvous:
     @classmethod
     def from_env(cls, config: RendezvousConfig | None = None,
                  env: Mapping[str, str] | None = None, **store_options: Any) -> Rendezvous:
-        """The rendezvous of a worker started by ``pollux-run`` (``POLLUX_STORE``,
-        ``POLLUX_STORE_PREFIX``, ``POLLUX_JOB``, ``POLLUX_NODE``, ``POLLUX_WORKER_ID``);
-        ``store_options`` go to ``open_store`` (e.g. ``timeout``, TLS files)."""
+        """The rendezvous of a worker started by ``pollux-run`` (``POLLUX_STORE`` and the
+        rest of ``pollux_launch.env``'s store contract, TLS and the job's credentials
+        included; ``POLLUX_JOB``, ``POLLUX_NODE``, ``POLLUX_WORKER_ID``);
+        ``store_options`` go to ``open_store`` too (e.g. ``timeout``)."""
         env = os.environ if env is None else env
         missing = [k for k in (ENV_STORE, ENV_JOB) if not env.get(k)]
         if missing:
@@ -267,8 +267,7 @@ class Rendezvous:
                 f"{' and '.join(missing)} not set: start workers with pollux-run, or set "
                 f"{ENV_STORE}=embedded:///path/store.db and {ENV_JOB}=<job name>")
         try:
-            store = open_store(env[ENV_STORE], prefix=env.get(ENV_PREFIX, "/pollux"),
-                               **store_options)
+            store = envvars.store_from_env(env, **store_options)
         except StoreError as exc:
             raise RendezvousError(f"{ENV_STORE}={env[ENV_STORE]!r}: {_line(exc)}") from None
         return cls(store, env[ENV_JOB], env.get(ENV_WORKER_ID), env.get(ENV_NODE), config,

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from pollux_launch import env as envvars
 from pollux_launch.agent.agent import AgentConfig, PolluxAgent, default_lr_rule
 from pollux_launch.agent.gns import GNSEstimator, GradNoise
 from pollux_launch.agent.progress import StatisticalProgress
@@ -230,7 +231,7 @@ class HorovodControl:
         assert self.agent is not None
         if not (force or self.agent.report_due()):
             return
-        store, job = self._open_store(), os.environ.get("POLLUX_JOB")
+        store, job = self._open_store(), os.environ.get(envvars.JOB)
         if store is None or not job:
             return
         from pollux_launch.rendezvous.store import StoreError
@@ -242,14 +243,11 @@ class HorovodControl:
             log.warning("could not report hints (%s)", exc)
 
     def _open_store(self) -> Any | None:
-        if self._store is None and not self._store_failed and os.environ.get("POLLUX_STORE"):
-            from pollux_launch.launcher.store_args import store_options_from_env
-            from pollux_launch.rendezvous.store import StoreError, open_store
+        if self._store is None and not self._store_failed and os.environ.get(envvars.STORE):
+            from pollux_launch.rendezvous.store import StoreError
 
             try:
-                self._store = open_store(os.environ["POLLUX_STORE"],
-                                         os.environ.get("POLLUX_STORE_PREFIX", "/pollux"),
-                                         **store_options_from_env())
+                self._store = envvars.store_from_env()
             except StoreError as exc:
                 log.warning("no hints: cannot open the store (%s)", exc)
                 self._store_failed = True

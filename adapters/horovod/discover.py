@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-from pollux_launch.launcher.store_args import store_options_from_env
+from pollux_launch import env as envvars
 from pollux_launch.rendezvous.store import StoreError, open_store
 
 from .hosts import format_hosts, hosts_from_allocation, read_allocation
@@ -30,7 +30,7 @@ from .hosts import format_hosts, hosts_from_allocation, read_allocation
 
 def discover(store_url: str, job: str, prefix: str = "/pollux") -> str:
     """The discovery output for ``job`` (``host:slots`` lines, possibly empty)."""
-    store = open_store(store_url, prefix, **store_options_from_env())
+    store = open_store(store_url, prefix, **envvars.store_options())
     try:
         return format_hosts(hosts_from_allocation(read_allocation(store, job)))
     finally:

@@ -26,7 +26,7 @@ import sys
 from pollux_launch import env as envvars
 from pollux_launch.messages import Allocation, MessageError
 from pollux_launch.rendezvous.network import advertised_address, interface_of
-from pollux_launch.rendezvous.store import Store, StoreError, open_store
+from pollux_launch.rendezvous.store import Store, StoreError
 
 from .hosts import read_allocation
 from .tasks import StoreExec, env_for_tasks
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from horovod.runner.gloo_run import launch_gloo_elastic
     from horovod.runner.http.http_server import RendezvousServer
 
-    store = open_store(os.environ[envvars.STORE], os.environ.get(envvars.PREFIX, "/pollux"))
+    store = envvars.store_from_env()
     job = os.environ[envvars.JOB]
     nic = interface_of(advertised_address(store))
     if nic is None:

@@ -67,14 +67,19 @@ class DriverContext:
     local: bool = False  # single-machine mode: every host is this one
     ifname: str | None = None  # the operator's interface for this node (else: from address)
     runtime_dir: str | None = None  # the agent's private folder (workers' exit files)
+    # job -> the store variables of the job's own scoped user ({} where none is needed)
+    credentials: Callable[[str], dict[str, str]] | None = None
 
     def job_env(self, spec: JobSpec) -> dict[str, str]:
-        """The ``POLLUX_*`` variables every process of ``spec``'s job gets; the
+        """The ``POLLUX_*`` variables every process of ``spec``'s job gets (with the
+        job's own store user where the store has authentication); the
         transports bound to this node's interface (the agent's ``--network-interface``,
         else the job's, else the one carrying the node's address); and, as torchrun does,
         one node's share of OpenMP threads per slot unless the user set it."""
         env = {ENV_STORE: self.store_url, ENV_PREFIX: self.store_prefix, ENV_JOB: spec.name,
                ENV_NODE: self.node.name, ENV_ADDR: self.node.address}
+        if self.credentials is not None:
+            env.update(self.credentials(spec.name))
         if self.ifname or not any(k in spec.env or k in os.environ
                                   for k in envvars.TRANSPORT_IFNAME):
             env.update(transport_env(self.node.address, self.ifname))

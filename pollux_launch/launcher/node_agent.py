@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -43,6 +44,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import IO, TYPE_CHECKING
 
+from .. import env as envvars
 from .. import keys
 from ..messages import (
     Allocation,
@@ -54,7 +56,7 @@ from ..messages import (
     decode,
     encode,
 )
-from ..rendezvous.store import Compare, Put, Store, StoreError
+from ..rendezvous.store import Compare, Put, Store, StoreError, StoreUnavailable
 from .admission import Admission
 from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this module)
     ENV_ADDR,
@@ -114,7 +116,9 @@ class NodeAgent:
         self.local = local
         self.runtime_dir = tempfile.mkdtemp(prefix=f"pollux-agent-{node.name}-")
         self.context = DriverContext(store, store_url, store_prefix, node, output_dir, stdout,
-                                     launch_options, local, ifname, self.runtime_dir)
+                                     launch_options, local, ifname, self.runtime_dir,
+                                     self._credentials)
+        self._scoped: dict[str, dict[str, str]] = {}  # job -> its processes' store variables
         self.drivers: dict[tuple[str, Side], JobDriver] = {}  # (job, side) -> its driver
         self.exits: list[tuple[str, str, int]] = []  # (job, worker id, code), for callers
         self.admission = Admission(secret, state_dir, clock)
@@ -171,6 +175,8 @@ class NodeAgent:
             if status is not None and status.finished:
                 if spec is not None:
                     self.admission.finished(spec)
+                if name in self._scoped and not any(d.alive() for d in self._drivers_of(name)):
+                    self._drop_credentials(name)
                 mine = self._drivers_of(name)
                 if any(d.alive() for d in mine):
                     log.info("job %s is %s: stopping its processes here", name, status.state)
@@ -194,6 +200,42 @@ class NodeAgent:
         self._newest.pop(name, None)
         self._finishing.pop(name, None)
         self._refused.discard(name)
+
+    def _scoped_name(self, job: str) -> str:
+        return f"job.{job}.{self.node.name}.{'+'.join(sorted(self.sides))}"
+
+    def _credentials(self, job: str) -> dict[str, str]:
+        """The store variables of ``job``'s own user, which reaches only the job's keys
+        (and reads node records): made once per job, its password in a file only this
+        user can read. {} where the store has no authentication."""
+        if job in self._scoped:
+            return self._scoped[job]
+        try:
+            made = self.store.scoped_credentials(self._scoped_name(job), [keys.job(job)],
+                                                 [keys.NODES])
+        except StoreUnavailable:
+            raise  # the next pass tries again
+        except StoreError as exc:  # e.g. this agent's user may not manage users: say so
+            log.error("job %s: cannot make its store user (%s); its processes get none - "
+                      "give node agents an etcd user with the root role", job, exc)
+            made = None
+        env: dict[str, str] = {}
+        if made is not None:
+            user, password = made
+            path = os.path.join(self.runtime_dir, f"{job}.store-password")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(password)
+            env = {envvars.STORE_USER: user, envvars.STORE_PASSWORD_FILE: path}
+        self._scoped[job] = env
+        return env
+
+    def _drop_credentials(self, job: str) -> None:
+        if self._scoped.pop(job, None):
+            try:
+                self.store.drop_scoped_credentials(self._scoped_name(job))
+            except StoreError as exc:  # left behind: it can reach only that job's keys
+                log.warning("job %s: could not remove its store user (%s)", job, exc)
 
     def _free_slots(self) -> int:
         return self.node.slots - sum(d.slots_held() for (_, side), d in self.drivers.items()
@@ -365,6 +407,8 @@ class NodeAgent:
     def drain(self) -> None:
         for driver in self.drivers.values():
             driver.stop(grace=10.0)
+        for job in list(self._scoped):
+            self._drop_credentials(job)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
         if self._lease:
             self._keeper.stop()

@@ -50,30 +50,19 @@ def store_options(ns: argparse.Namespace) -> dict[str, object]:
     return opts
 
 
-def store_options_from_env() -> dict[str, object]:
-    """A worker's store options, from what ``worker_store_env`` passed it."""
-    ns = argparse.Namespace(
-        ca_cert=os.environ.get("POLLUX_STORE_CA_CERT"),
-        cert_cert=os.environ.get("POLLUX_STORE_CERT"),
-        cert_key=os.environ.get("POLLUX_STORE_KEY"),
-        user=os.environ.get("POLLUX_STORE_USER"),
-        password_file=os.environ.get("POLLUX_STORE_PASSWORD_FILE"),
-    )
-    return store_options(ns)
-
-
 def open_from_args(ns: argparse.Namespace) -> tuple[Store, str]:
     url = getattr(ns, "store", None) or DEFAULT_URL
     return open_store(url, ns.store_prefix, **store_options(ns)), url
 
 
 def worker_store_env(ns: argparse.Namespace) -> dict[str, str]:
-    """Environment that lets workers open the same store (no password: see module doc)."""
+    """What lets a job's processes reach the same store: its TLS files, as absolute
+    paths. Never the user or password given here: the node agent that starts a process
+    gives it the job's own credentials (``Store.scoped_credentials``)."""
     env = {}
-    for name, var in (("ca_cert", "POLLUX_STORE_CA_CERT"), ("cert_cert", "POLLUX_STORE_CERT"),
-                      ("cert_key", "POLLUX_STORE_KEY"), ("user", "POLLUX_STORE_USER"),
-                      ("password_file", "POLLUX_STORE_PASSWORD_FILE")):
+    for name, var in (("ca_cert", envvars.STORE_CA_CERT), ("cert_cert", envvars.STORE_CERT),
+                      ("cert_key", envvars.STORE_KEY)):
         value = getattr(ns, name, None)
         if value:
-            env[var] = value
+            env[var] = os.path.abspath(value)
     return env

@@ -153,6 +153,18 @@ class Store(abc.ABC):
         ``after_revision`` (returning those events, oldest first) or ``timeout`` seconds
         pass (returning [])."""
 
+    def scoped_credentials(self, name: str, readwrite: Sequence[str],
+                           read: Sequence[str]) -> tuple[str, str] | None:
+        """A user ``name`` of this store that may read and write the keys under the
+        ``readwrite`` prefixes and read those under ``read``, nothing else, and its new
+        password - for processes that must not hold this store's own credentials. None
+        where the store has no authentication (nothing to scope: the embedded store, an
+        etcd without auth). Asking again for the same name gives a new password."""
+        return None
+
+    def drop_scoped_credentials(self, name: str) -> None:  # noqa: B027 - see above
+        """Remove the user ``scoped_credentials`` made (nothing where it made none)."""
+
     def close(self) -> None:  # noqa: B027 - optional for backends without resources
         """Release connections and background threads."""
 

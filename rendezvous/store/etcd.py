@@ -13,6 +13,7 @@ are retried within that timeout when a connection breaks mid-call, transactions 
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -371,6 +372,61 @@ class EtcdStore(Store):
         except LeaseExpired:
             pass  # already gone: revoking is idempotent
 
+    # -- scoped users (etcd auth: a user and a role of the same name) ---------------------
+
+    def scoped_credentials(self, name: str, readwrite: Sequence[str],
+                           read: Sequence[str]) -> tuple[str, str] | None:
+        if self._user is None:  # an etcd without auth, or one we reach without a login
+            return None
+        user = self.prefix + check_key(name)  # one per cluster prefix
+        password = secrets.token_urlsafe(24)
+        perms = [(etcdrpc.Permission.READWRITE, p) for p in readwrite]
+        perms += [(etcdrpc.Permission.READ, p) for p in read]
+
+        def grant(channel: grpc.Channel, timeout: float, md: list | None) -> None:
+            auth = etcdrpc.AuthStub(channel)
+            _create(lambda: auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=user),
+                                         timeout=timeout, metadata=md))
+            for kind, prefix in perms:
+                lo = self.prefix + check_key(prefix)
+                auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(
+                    name=user, perm=etcdrpc.Permission(permType=kind, key=lo.encode(),
+                                                       range_end=prefix_end(lo).encode())),
+                    timeout=timeout, metadata=md)
+            # revision() and the first request read the prefix's own key, count only
+            auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(
+                name=user, perm=etcdrpc.Permission(permType=etcdrpc.Permission.READ,
+                                                   key=self.prefix.encode())),
+                timeout=timeout, metadata=md)
+            if not _create(lambda: auth.UserAdd(etcdrpc.AuthUserAddRequest(
+                    name=user, password=password), timeout=timeout, metadata=md)):
+                auth.UserChangePassword(etcdrpc.AuthUserChangePasswordRequest(
+                    name=user, password=password), timeout=timeout, metadata=md)
+            auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=user, role=user),
+                               timeout=timeout, metadata=md)
+
+        self._call(f"making the scoped user {user!r}", grant)
+        return user, password
+
+    def drop_scoped_credentials(self, name: str) -> None:
+        if self._user is None:
+            return
+        user = self.prefix + check_key(name)
+
+        def drop(channel: grpc.Channel, timeout: float, md: list | None) -> None:
+            auth = etcdrpc.AuthStub(channel)
+            for call in (lambda: auth.UserDelete(etcdrpc.AuthUserDeleteRequest(name=user),
+                                                 timeout=timeout, metadata=md),
+                         lambda: auth.RoleDelete(etcdrpc.AuthRoleDeleteRequest(role=user),
+                                                 timeout=timeout, metadata=md)):
+                try:
+                    call()
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise  # (FAILED_PRECONDITION: already gone - nothing to drop)
+
+        self._call(f"removing the scoped user {user!r}", drop)
+
     def revision(self) -> int:
         req = etcdrpc.RangeRequest(key=self.prefix.encode(), count_only=True)
         return self._range(req, "revision").header.revision
@@ -450,3 +506,15 @@ def _text(raw: bytes) -> str:
     """Any bytes someone put in etcd, as text: undecodable bytes become surrogates, which
     the message layer refuses as not UTF-8 (``pollux_launch.messages.decode``)."""
     return raw.decode("utf-8", "surrogateescape")
+
+
+def _create(call: Callable[[], object]) -> bool:
+    """Run an etcd auth "add" call; False if what it adds exists already (etcd answers
+    FAILED_PRECONDITION for an existing user or role)."""
+    try:
+        call()
+        return True
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            raise
+        return False
