@@ -208,7 +208,7 @@ class HorovodTaskDriver(JobDriver):
         return deferred
 
     def slots_held(self) -> int:
-        return len(self.group.alive())
+        return len(self.group.workers)  # (until reaped, an ended worker's slot is not free)
 
     def _reported(self, task_id: str) -> bool:
         return self.ctx.store.get(keys.job(self.spec.name, f"exits/{task_id}")) is not None

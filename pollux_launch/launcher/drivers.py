@@ -161,7 +161,9 @@ class ReplicaDriver(JobDriver):
     def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
         import uuid
 
-        running = len(self.group.alive())
+        # every worker not reaped yet counts: one that ended since the agent reaped is
+        # judged at the next reap (its job may have completed), never replaced blindly
+        running = len(self.group.workers)
         want = self._want(alloc)
         start = min(want, running + max(0, free_slots))
         for local_rank in range(running, start):
@@ -174,7 +176,7 @@ class ReplicaDriver(JobDriver):
         return max(0, want - start)
 
     def slots_held(self) -> int:
-        return len(self.group.alive())
+        return len(self.group.workers)  # (until reaped, an ended worker's slot is not free)
 
     def _exit_file(self, worker_id: str) -> str:
         return os.path.join(self.ctx.runtime_dir or "", f"{worker_id}.exit")
