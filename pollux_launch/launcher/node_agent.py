@@ -108,7 +108,7 @@ class NodeAgent:
         runs per-replica workers; ``"launcher"``: it runs the framework drivers of the
         jobs it launched, ``launch_options`` being their pollux-run flags); ``state_dir``:
         where the agent keeps what must outlive it (``admission.py``)."""
-        self.store, self.node, self.secret = store, node, secret
+        self.store, self.node = store, node  # (the secret lives in self.admission)
         self.store_url, self.store_prefix = store_url, store_prefix
         self.only_jobs, self.output_dir, self.stdout = only_jobs, output_dir, stdout
         self.lease_ttl, self.poll, self.clock = lease_ttl, poll, clock
