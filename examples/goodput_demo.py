@@ -2,7 +2,7 @@
 
 A CIFAR-10 ResNet job from the Pollux traces (measured on 4-GPU AWS nodes) has run a few
 configurations. From those step times alone we fit the throughput model (Pollux Eqn
-9-11), combine it with the gradient noise scale (Eqn 4-6), and ask: with N GPUs, which
+7-11), combine it with the gradient noise scale (Eqn 4-6), and ask: with N GPUs, which
 per-GPU batch m and gradient-accumulation steps s make training progress fastest?
 
     .venv/bin/python examples/goodput_demo.py [--model cifar10]

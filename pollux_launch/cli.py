@@ -25,7 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Errors a user can cause end as one line (no traceback) and exit code 2.
-    from .launcher.arguments import OneLineParser, OptionsError
+    from .arguments import OneLineParser, OptionsError
     from .launcher.hosts import HostsError
     from .launcher.security import SecretError
     from .messages import MessageError

@@ -28,7 +28,7 @@ from pollux_launch.rendezvous.store import StoreError, open_store
 from .hosts import format_hosts, hosts_from_allocation, read_allocation
 
 
-def discover(store_url: str, job: str, prefix: str = "/pollux") -> str:
+def discover(store_url: str, job: str, prefix: str = envvars.DEFAULT_PREFIX) -> str:
     """The discovery output for ``job`` (``host:slots`` lines, possibly empty)."""
     store = open_store(store_url, prefix, **envvars.store_options())
     try:
@@ -41,12 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pollux_launch.adapters.horovod.discover",
         description="Print a Pollux job's allocation as Horovod host:slots lines.")
-    parser.add_argument("--store", default=os.environ.get("POLLUX_STORE"),
-                        help="store URL (default: $POLLUX_STORE)")
-    parser.add_argument("--prefix", default=os.environ.get("POLLUX_STORE_PREFIX", "/pollux"),
-                        help="cluster key prefix (default: $POLLUX_STORE_PREFIX or /pollux)")
-    parser.add_argument("--job", default=os.environ.get("POLLUX_JOB"),
-                        help="job name (default: $POLLUX_JOB)")
+    parser.add_argument("--store", default=os.environ.get(envvars.STORE),
+                        help=f"store URL (default: ${envvars.STORE})")
+    parser.add_argument("--prefix", default=os.environ.get(envvars.PREFIX, envvars.DEFAULT_PREFIX),
+                        help=f"cluster key prefix (default: ${envvars.PREFIX} or "
+                        f"{envvars.DEFAULT_PREFIX})")
+    parser.add_argument("--job", default=os.environ.get(envvars.JOB),
+                        help=f"job name (default: ${envvars.JOB})")
     args = parser.parse_args(argv)
     if not args.store or not args.job:
         print("discover: need --store URL and --job NAME (or POLLUX_STORE and POLLUX_JOB)",

@@ -23,6 +23,7 @@ ssh is needed and every node binds its own interface.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import tempfile
@@ -30,15 +31,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pollux_launch import keys
-from pollux_launch.launcher.drivers import DriverContext, JobDriver, ProcessExit
-from pollux_launch.launcher.options import UNBOUNDED, OptionsError
-from pollux_launch.launcher.workers import WorkerGroup
-from pollux_launch.messages import Allocation, JobSpec, MessageError, NodeInfo, decode
+from pollux_launch.launcher.drivers import (
+    DriverContext,
+    JobDriver,
+    OptionsError,
+    ProcessExit,
+    WorkerGroup,
+    replica_limit,
+)
+from pollux_launch.messages import Allocation, JobSpec, NodeInfo, ValueLog
 
 from .command import horovodrun_command, require_horovod
 from .hosts import HostsFileMirror, hosts_from_allocation, write_discovery_script
 
 DRIVER_ID = "horovodrun"
+
+log = logging.getLogger(__name__)
 
 
 class HorovodDriver(JobDriver):
@@ -52,6 +60,7 @@ class HorovodDriver(JobDriver):
         self.folder: Path | None = None
         self.argv: list[str] = []
         self.started = self.done = False
+        self.values = ValueLog(log)  # a malformed node record: said once per revision
 
     @classmethod
     def preflight(cls) -> None:
@@ -70,17 +79,14 @@ class HorovodDriver(JobDriver):
             return {self.ctx.node.name: self.ctx.node.address}
         out = {}
         for kv in self.ctx.store.get_prefix(keys.NODES):
-            try:
-                info = decode(NodeInfo, kv.value)
-            except MessageError:
-                continue
-            out[info.name] = info.address
+            info = self.values.read(NodeInfo, kv.key, kv.value, kv.mod_revision)
+            if info is not None:  # (a malformed record is logged and skipped)
+                out[info.name] = info.address
         return out
 
     def command(self, alloc: Allocation, discovery_script: str) -> list[str]:
         spec, opts = self.spec, self.ctx.options
-        hi = spec.max_replicas
-        np = min(max(alloc.num_replicas, spec.min_replicas), hi)
+        np = min(max(alloc.num_replicas, spec.min_replicas), spec.max_replicas)
         nic = opts.network_interface if opts is not None else None
         if nic is None and (self.ctx.local or all(
                 host.startswith("127.") or host == "localhost"
@@ -95,7 +101,7 @@ class HorovodDriver(JobDriver):
                           *(str(v) for v in opts.blacklist_cooldown_range)]
         return horovodrun_command(
             spec.command, discovery_script=discovery_script, np=np, min_np=spec.min_replicas,
-            max_np=None if hi >= UNBOUNDED else hi, network_interface=nic,
+            max_np=replica_limit(spec), network_interface=nic,
             elastic_timeout=int(opts.elastic_timeout) if opts else None,
             reset_limit=opts.reset_limit if opts else None,
             start_timeout=int(opts.start_timeout) if opts else None,
@@ -105,11 +111,11 @@ class HorovodDriver(JobDriver):
         """Cluster mode: Horovod's elastic driver with workers started by the node
         agents (:mod:`.elastic_launch`), the user's horovodrun options kept."""
         spec, opts = self.spec, self.ctx.options
-        hi = spec.max_replicas
+        hi = replica_limit(spec)
         argv = [sys.executable, "-m", "pollux_launch.adapters.horovod.elastic_launch",
-                "--np", str(min(max(alloc.num_replicas, spec.min_replicas), hi)),
+                "--np", str(min(max(alloc.num_replicas, spec.min_replicas), spec.max_replicas)),
                 "--min-np", str(spec.min_replicas)]
-        if hi < UNBOUNDED:
+        if hi is not None:
             argv += ["--max-np", str(hi)]
         if opts is not None:
             argv += ["--elastic-timeout", str(int(opts.elastic_timeout)),

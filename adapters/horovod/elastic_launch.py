@@ -24,7 +24,7 @@ import os
 import sys
 
 from pollux_launch import env as envvars
-from pollux_launch.messages import Allocation, MessageError
+from pollux_launch.messages import Allocation, MessageError, ValueLog
 from pollux_launch.rendezvous.network import advertised_address, interface_of
 from pollux_launch.rendezvous.store import Store, StoreError
 
@@ -42,11 +42,14 @@ def discovery(store: Store, job: str):
         def __init__(self) -> None:
             super().__init__()
             self.last: dict[str, int] = {}
+            self.values = ValueLog(log)  # a malformed allocation: said once per revision
 
         def find_available_hosts_and_slots(self) -> dict[str, int]:
+            # keep the hosts we knew meanwhile: a store outage or a bad value must not
+            # shrink the job (the outage is reported by whoever writes allocations)
             try:
-                alloc: Allocation | None = read_allocation(store, job)
-            except (StoreError, MessageError):  # keep the hosts we knew meanwhile
+                alloc: Allocation | None = read_allocation(store, job, self.values)
+            except (StoreError, MessageError):
                 return dict(self.last)
             hosts: dict[str, int] = {}
             for node in alloc.nodes if alloc else ():

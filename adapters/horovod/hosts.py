@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from pollux_launch import keys
-from pollux_launch.messages import Allocation, MessageError, decode
+from pollux_launch.messages import Allocation, MessageError, ValueLog, decode
 from pollux_launch.rendezvous.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,19 @@ def format_hosts(hosts: Sequence[tuple[str, int]]) -> str:
     return "".join(f"{host}:{n}\n" for host, n in hosts)
 
 
-def read_allocation(store: Store, job: str) -> Allocation | None:
+def read_allocation(store: Store, job: str, values: ValueLog | None = None) -> Allocation | None:
     """The job's current allocation, None if there is none; ``MessageError`` if it is
-    malformed (callers keep the hosts they had: a bad value must not shrink the job)."""
+    malformed (callers keep the hosts they had: a bad value must not shrink the job),
+    logged first through ``values`` (once per revision) when given."""
     kv = store.get(keys.job(job, "allocation"))
-    return decode(Allocation, kv.value) if kv is not None else None
+    if kv is None:
+        return None
+    try:
+        return decode(Allocation, kv.value)
+    except MessageError as exc:
+        if values is not None:
+            values.bad(kv.key, kv.mod_revision, str(exc))
+        raise
 
 
 def write_hosts_file(path: str | os.PathLike[str], text: str) -> None:
@@ -114,13 +122,13 @@ class HostsFileMirror:
         self._text: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.values = ValueLog(log)  # a malformed allocation is said once per revision
 
     def refresh(self) -> bool:
         """Re-read the allocation and rewrite the file if it changed; True if rewritten."""
         try:
-            alloc = read_allocation(self.store, self.job)
-        except MessageError as exc:
-            log.warning("job %s: ignoring a malformed allocation (%s)", self.job, exc)
+            alloc = read_allocation(self.store, self.job, self.values)
+        except MessageError:  # logged by self.values; the hosts file stays as it was
             return False
         addresses = self.addresses() if callable(self.addresses) else self.addresses
         text = format_hosts(hosts_from_allocation(alloc, addresses))

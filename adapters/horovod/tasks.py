@@ -36,8 +36,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 from pollux_launch import keys
-from pollux_launch.launcher.drivers import DriverContext, JobDriver, ProcessExit
-from pollux_launch.launcher.workers import WorkerGroup
+from pollux_launch.launcher.drivers import DriverContext, JobDriver, ProcessExit, WorkerGroup
 from pollux_launch.messages import (
     Allocation,
     JobSpec,
@@ -87,6 +86,7 @@ class StoreExec:
 
     def __init__(self, store: Store, job: str, command: Sequence[str], poll: float = 0.5) -> None:
         self.store, self.job, self.command, self.poll = store, job, tuple(command), poll
+        self.values = ValueLog(log)  # malformed allocations: said once per revision
 
     def __call__(self, text: str, slot_info, events) -> tuple[int, float]:
         env = task_variables(split_command(text, self.command))
@@ -139,8 +139,8 @@ class StoreExec:
         """The node's agent is gone and the coordinator, after its grace period, took the
         node out of the job's allocation: nobody will ever report this worker's exit."""
         try:
-            alloc = read_allocation(self.store, self.job)
-        except StoreError:
+            alloc = read_allocation(self.store, self.job, self.values)
+        except (StoreError, MessageError):  # we cannot tell: do not presume it lost
             return False
         return alloc is not None and node not in alloc.nodes and not self._node_alive(node)
 

@@ -11,9 +11,9 @@ import logging
 import signal
 import threading
 
-from ..launcher.arguments import fairness, lease_seconds, seconds, seconds_or_zero
-from ..launcher.store_args import add_store_arguments, open_from_args
+from ..arguments import fairness, lease_seconds, seconds, seconds_or_zero
 from ..policy import DEFAULT_POLICY, POLICIES, make_policy
+from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
 from .service import Coordinator
 
 

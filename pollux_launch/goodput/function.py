@@ -1,6 +1,6 @@
 """Goodput of a job and its best batch configuration for an allocation (Pollux Sec. 3-4).
 
-    GOODPUT(N, K, m, s) = THROUGHPUT(N, K, m, s) x EFFICIENCY(K * m * (s + 1))   (Eqn 7)
+    GOODPUT(N, K, m, s) = THROUGHPUT(N, K, m, s) x EFFICIENCY(K * m * (s + 1))   (Sec. 3)
 
 :meth:`GoodputFunction.optimize` picks, for each allocation (N nodes, K replicas), the
 total batch size ``M`` in ``[M0, max_batch_size]`` that maximises goodput, realised with
@@ -11,7 +11,6 @@ batch sizes (allocations x candidates) is evaluated at once.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -20,16 +19,27 @@ import numpy as np
 from .efficiency import GradParams, efficiency
 from .throughput import PerfParams, predict_step_time
 
-__all__ = ["GoodputFunction"]
+__all__ = ["GoodputFunction", "GridCache"]
 
 _EPS = 1e-8  # tolerance of ceil() on batch-size ratios
 _CANDIDATES = 48  # total batch sizes tried per allocation (geometric grid)
+_MAX_GRIDS = 4096  # grids one cache keeps (a job sees a few dozen allocations at most)
+
+#: Memo of single-allocation candidate grids: (replicas, job limits) -> (m, s, M, valid).
+GridCache = dict[tuple[Any, ...], tuple[np.ndarray, ...]]
 
 
 class GoodputFunction:
-    """Goodput model of one job: fitted throughput parameters, gradient statistics, M0."""
+    """Goodput model of one job: fitted throughput parameters, gradient statistics, M0.
 
-    def __init__(self, perf_params: PerfParams, grad_params: GradParams, init_batch_size: int):
+    ``grid_cache`` memoises the candidate grid of each single allocation. A grid depends on
+    the replicas and the job's limits only, never on the model, so an owner that builds a
+    new function at every refit (the agent, the simulator's jobs) passes the same dict
+    each time; by default each function keeps its own (memoised per fit).
+    """
+
+    def __init__(self, perf_params: PerfParams, grad_params: GradParams, init_batch_size: int,
+                 grid_cache: GridCache | None = None):
         if not isinstance(perf_params, PerfParams):
             perf_params = PerfParams(*perf_params)
         if not isinstance(grad_params, GradParams):
@@ -44,6 +54,7 @@ class GoodputFunction:
         self._p = (p.alpha_grad, p.beta_grad, p.grad_exponent, p.alpha_local, p.beta_local,
                    p.alpha_node, p.beta_node, p.node_contention, p.gamma)
         self._no_stats = g.sqr == 0 and g.var == 0
+        self._grids: GridCache = {} if grid_cache is None else grid_cache
 
     def throughput(self, num_nodes: Any, num_replicas: Any, local_bsz: Any,
                    accum_steps: Any) -> np.ndarray:
@@ -120,7 +131,7 @@ class GoodputFunction:
                 raise ValueError(_ALLOC_ERROR)
             n = n.reshape(1, 1)
             k = k.reshape(1, 1)
-            local, accum, total, valid = _cached_grid(kv, *key)
+            local, accum, total, valid = self._grid_of(kv, key)
         else:
             n = n.reshape(-1, 1)
             k = k.reshape(-1, 1)
@@ -145,6 +156,17 @@ class GoodputFunction:
         local_bsz = np.where(ok, local[rows, best], 0).astype(np.int64)
         accum_steps = np.where(ok, accum[rows, best], 0).astype(np.int64)
         return goodput.reshape(shape), local_bsz.reshape(shape), accum_steps.reshape(shape)
+
+    def _grid_of(self, k: float, key: tuple[Any, ...]) -> tuple[np.ndarray, ...]:
+        """:func:`_grid` of one allocation, through this function's grid cache."""
+        arrays = self._grids.get((k, *key))
+        if arrays is None:
+            arrays = _grid(np.array([[k]]), *key)
+            for a in arrays:
+                a.setflags(write=False)  # shared between calls (and fits): never modified
+            if len(self._grids) < _MAX_GRIDS:
+                self._grids[(k, *key)] = arrays
+        return arrays
 
 
 _ALLOC_ERROR = "each allocation needs 1 <= num_nodes <= num_replicas (or num_replicas == 0)"
@@ -183,15 +205,6 @@ def _grid(k: np.ndarray, m0: float, max_batch: float, m_lo: float, m_hi: float,
     local = np.where(valid, local, 1.0)
     total = k_safe * local * (accum + 1)
     return local, accum, total, valid
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_grid(k: float, *key: Any):
-    """Memo of :func:`_grid` for one allocation (a pure function of its arguments)."""
-    arrays = _grid(np.array([[k]]), *key)
-    for a in arrays:
-        a.setflags(write=False)
-    return arrays
 
 
 def _broadcast(num_nodes: np.ndarray, num_replicas: np.ndarray) -> list[np.ndarray]:

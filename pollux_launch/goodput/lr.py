@@ -5,8 +5,8 @@ One interface, several rules chosen by name::
     factor = scale_lr("adascale", init_batch_size, batch_size, grad_params)
 
 A rule is any callable ``rule(scale, stats) -> factor``; register your own with
-:func:`register_lr_rule` or pass the callable instead of a name. Every rule gives 1 at
-``S = 1``.
+:func:`register_lr_rule` (and :func:`unregister_lr_rule`) or pass the callable instead
+of a name. Every rule gives 1 at ``S = 1``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 from .efficiency import GradParams, gain
 
-__all__ = ["LEGWState", "LRRule", "lr_rules", "register_lr_rule", "scale_lr"]
+__all__ = ["LEGWState", "LRRule", "lr_rules", "register_lr_rule", "scale_lr",
+           "unregister_lr_rule"]
 
 LRRule = Callable[[float, Any], float]
 
@@ -70,11 +71,25 @@ _RULES: dict[str, LRRule] = {
 }
 
 
-def register_lr_rule(name: str, rule: LRRule) -> None:
-    """Make ``rule(scale, stats) -> factor`` available to :func:`scale_lr` by name."""
+def register_lr_rule(name: str, rule: LRRule, *, replace: bool = False) -> None:
+    """Make ``rule(scale, stats) -> factor`` available to :func:`scale_lr` by name.
+
+    Raises ValueError if ``name`` is taken, unless ``replace=True``: every job that names
+    a rule would otherwise change its LR with whichever module registered last.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"LR rule name must be a non-empty str, got {name!r}")
     if not callable(rule):
         raise ValueError(f"LR rule {name!r} must be callable")
+    if name in _RULES and not replace:
+        raise ValueError(f"LR rule {name!r} is already registered; pass replace=True to "
+                         "replace it")
     _RULES[name] = rule
+
+
+def unregister_lr_rule(name: str) -> None:
+    """Forget the rule ``name`` (KeyError if it is not registered)."""
+    del _RULES[name]
 
 
 def lr_rules() -> list[str]:

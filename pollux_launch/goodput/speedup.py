@@ -1,4 +1,4 @@
-"""SPEEDUP of an allocation: its best goodput relative to a reference allocation (Eqn 14).
+"""SPEEDUP of an allocation: its best goodput relative to a reference allocation (Eqn 15).
 
 The policy evaluates the same job's speedup at many (nodes, replicas) allocations every
 round, so the best goodput of each distinct allocation is computed once per fitted

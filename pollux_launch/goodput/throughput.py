@@ -1,6 +1,6 @@
 """Throughput model of one job: time per iteration as a function of its resources.
 
-Pollux (OSDI'21) Sec. 3.2, Eqn 9-11, for ``N`` nodes, ``K`` replicas (GPUs), per-GPU
+Pollux (OSDI'21) Sec. 3.2, Eqn 7-11, for ``N`` nodes, ``K`` replicas (GPUs), per-GPU
 batch ``m`` and ``s`` gradient-accumulation steps::
 
     T_grad(m)      = alpha_grad + beta_grad * m ** grad_exponent                  (Eqn 9)
@@ -12,7 +12,7 @@ batch ``m`` and ``s`` gradient-accumulation steps::
     THROUGHPUT     = M / T_iter,   M = K * m * (s + 1)
 
 Two bounded extensions of the paper's model, both measured on the Pollux traces
-(``benchmarks/goodput_fit.py``) and both reducing to Eqn 9-11 at their defaults:
+(``benchmarks/goodput_fit.py``) and both reducing to Eqn 7-11 at their defaults:
 
 * ``grad_exponent`` (default 1, bounds [0.5, 2]): compute time is not always linear in
   ``m`` (deepspeech2 pads sequences: super-linear; ncf is latency-bound: sub-linear).
@@ -52,7 +52,7 @@ _MAX_STEP = 2.0  # largest change of a log-parameter per fitting iteration
 
 @dataclass(frozen=True)
 class PerfParams:
-    """Named parameters of the throughput model (Pollux Eqn 9-11 plus two extensions).
+    """Named parameters of the throughput model (Pollux Eqn 7-11 plus two extensions).
 
     Times are in seconds. The first seven fields are the paper's; ``grad_exponent`` and
     ``node_contention`` default to the paper's model.

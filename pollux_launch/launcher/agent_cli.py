@@ -15,14 +15,14 @@ import socket
 import threading
 import time
 
+from ..arguments import lease_seconds, name
+from ..arguments import slots as slot_count
 from ..messages import NodeInfo
 from ..rendezvous.network import advertised_address, interface_of
+from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
 from . import security
-from .arguments import lease_seconds, name
-from .arguments import slots as slot_count
 from .node_agent import NodeAgent
 from .run import local_slots_default
-from .store_args import add_store_arguments, open_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,10 +7,10 @@ import sys
 import time
 
 from .. import keys
+from ..arguments import name
 from ..messages import JobStatus, MessageError, decode, encode
 from ..rendezvous.store import Compare, Put
-from .arguments import name
-from .store_args import add_store_arguments, open_from_args
+from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +29,10 @@ def run(args: argparse.Namespace) -> int:
         current = store.get(key)
         try:
             old = decode(JobStatus, current.value) if current else None
-        except MessageError:
-            old = None  # a malformed status is replaced by the cancellation
+        except MessageError as exc:  # replaced by the cancellation: say what it was
+            print(f"pollux-run cancel: replacing job {args.job!r}'s malformed status ({exc})",
+                  file=sys.stderr)
+            old = None
         if old is not None and old.finished:
             print(f"pollux-run cancel: job {args.job!r} already {old.state}; its name can "
                   "be used again", file=sys.stderr)

@@ -14,11 +14,18 @@ the replicas placed on that node), ``"launcher"`` drivers in the ``pollux-run`` 
 submitted the job (in local mode, its own node agent). :func:`driver_class` picks the
 driver of a framework by name through :data:`DRIVERS` (imported lazily, so that the
 launcher never imports a framework it does not run).
+
+This module is the launcher's whole interface for a framework's driver (a plug-in such
+as ``pollux_launch.adapters.horovod``): :class:`JobDriver` to subclass, the
+:class:`DriverContext` it is given, :class:`ProcessExit` to report, :class:`WorkerGroup`
+to run processes with, :class:`OptionsError` for ``preflight`` and
+:func:`replica_limit`. A plug-in imports these from here, nothing else of the launcher.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import zlib
 from abc import ABC, abstractmethod
@@ -28,7 +35,8 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
 from .. import env as envvars
 from .. import keys
-from ..messages import Allocation, JobSpec, MessageError, NodeInfo, decode
+from ..arguments import OptionsError
+from ..messages import MAX_REPLICAS, Allocation, JobSpec, NodeInfo, ValueLog
 from ..rendezvous.network import transport_env
 from ..rendezvous.store import Store
 from .workers import ExitKind, WorkerGroup, classify_exit
@@ -36,7 +44,15 @@ from .workers import ExitKind, WorkerGroup, classify_exit
 if TYPE_CHECKING:
     from .options import LaunchOptions
 
+__all__ = [
+    "DRIVERS", "FRAMEWORK_DRIVERS", "DriverContext", "JobDriver", "OptionsError",
+    "ProcessExit", "ReplicaDriver", "Side", "WorkerGroup", "driver_class", "driver_classes",
+    "replica_limit",
+]
+
 Side = Literal["node", "launcher"]
+
+log = logging.getLogger(__name__)
 
 # Environment a job's processes are started with (defined in pollux_launch.env).
 ENV_STORE, ENV_PREFIX, ENV_JOB = envvars.STORE, envvars.PREFIX, envvars.JOB
@@ -150,6 +166,7 @@ class ReplicaDriver(JobDriver):
         super().__init__(spec, ctx)
         self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
                                  output_dir=ctx.output_dir, stdout=ctx.stdout)
+        self.values = ValueLog(log)  # a bad value is logged once per key and revision
 
     @classmethod
     def wanted(cls, alloc: Allocation | None, node: str) -> bool:
@@ -208,10 +225,9 @@ class ReplicaDriver(JobDriver):
         master = self.ctx.node.address
         if nodes[0] != me:
             kv = self.ctx.store.get(keys.node(nodes[0]))
-            try:
-                master = decode(NodeInfo, kv.value).address if kv else master
-            except MessageError:
-                pass
+            info = self.values.read(NodeInfo, kv.key, kv.value, kv.mod_revision) if kv else None
+            if info is not None:  # else (gone, or malformed: logged) this node's address
+                master = info.address
         return {
             "RANK": str(before + local_rank), "WORLD_SIZE": str(alloc.num_replicas),
             "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(alloc.nodes.count(me)),
@@ -238,6 +254,12 @@ class ReplicaDriver(JobDriver):
 
     def stop(self, grace: float) -> None:
         self.group.stop(grace=grace)
+
+
+def replica_limit(spec: JobSpec) -> int | None:
+    """The most replicas ``spec``'s job may have, None when ``pollux-run`` was given no
+    ``--max-np`` (then a framework's own launcher must not be capped either)."""
+    return None if spec.max_replicas >= MAX_REPLICAS else spec.max_replicas
 
 
 def driver_classes(framework: str) -> list[type[JobDriver]]:

@@ -50,10 +50,8 @@ from ..messages import (
     Allocation,
     JobSpec,
     JobStatus,
-    MessageError,
     NodeInfo,
     ValueLog,
-    decode,
     encode,
 )
 from ..rendezvous.store import Compare, Put, Store, StoreError, StoreUnavailable
@@ -90,7 +88,7 @@ class NodeAgent:
         store: Store,
         node: NodeInfo,
         store_url: str,
-        store_prefix: str = "/pollux",
+        store_prefix: str = envvars.DEFAULT_PREFIX,
         secret: bytes | None = None,
         only_jobs: set[str] | None = None,
         output_dir: str | None = None,
@@ -347,12 +345,11 @@ class NodeAgent:
         """Move the job's state forward; a finished state is final (the first report wins)."""
         key = keys.job(job, "status")
         current = self.store.get(key)
-        if current is not None:
-            try:
-                if decode(JobStatus, current.value).finished:
-                    return
-            except MessageError:
-                pass  # a malformed status is replaced by this real one: nothing is lost
+        # a malformed status (logged once) is replaced by this real one: nothing is lost
+        old = (self.values.read(JobStatus, current.key, current.value, current.mod_revision)
+               if current is not None else None)
+        if old is not None and old.finished:
+            return
         guard = [Compare(key, "mod_revision", "==", current.mod_revision if current else 0)]
         self.store.txn(guard, [Put(key, encode(status))])
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import env as envvars
-from .arguments import (
+from ..arguments import (
     OneLineParser,
     OptionsError,
     count,
@@ -28,9 +28,10 @@ from .arguments import (
     seconds_or_zero,
     slots,
 )
+from ..messages import MAX_REPLICAS
+from ..rendezvous.store.cli_args import add_store_arguments, store_options, worker_store_env
 from .frameworks import FRAMEWORKS, detect_framework, ds_config_paths
 from .hosts import Host, HostsError, parse_hostfile, parse_hosts
-from .store_args import add_store_arguments, store_options, worker_store_env
 
 # horovodrun flags that only make sense for MPI/ssh/LSF launching.
 _UNSUPPORTED = {
@@ -57,7 +58,7 @@ _HOROVOD_ENV_FLAGS = {
     "autotune": ("HOROVOD_AUTOTUNE", lambda v: "1"),
 }
 
-UNBOUNDED = 1_000_000  # --max-np not given: as many replicas as the cluster offers
+UNBOUNDED = MAX_REPLICAS  # --max-np not given: as many replicas as the cluster offers
 _JOB_NAME = re.compile(r"^[a-z0-9]([a-z0-9\-_.]{0,62}[a-z0-9])?$")
 
 

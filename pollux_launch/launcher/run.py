@@ -32,23 +32,24 @@ import sys
 import threading
 import time
 import uuid
-from typing import IO
+from typing import IO, TypeVar
 
 from .. import env as envvars
 from .. import keys
 from ..coordinator.service import Coordinator
-from ..messages import JobHints, JobSpec, JobStatus, MessageError, NodeInfo, decode, encode
+from ..messages import JobHints, JobSpec, JobStatus, NodeInfo, ValueLog, encode
 from ..policy import DEFAULT_POLICY, make_policy
 from ..rendezvous.network import advertised_address
 from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
+from ..rendezvous.store.cli_args import DEFAULT_URL
 from . import security
 from .drivers import driver_class
 from .node_agent import NodeAgent
 from .options import LaunchOptions, OptionsError
 from .status import describe_hints
-from .store_args import DEFAULT_URL
 
 log = logging.getLogger(__name__)
+M = TypeVar("M")
 
 # How long agents accept a submitted spec for starting workers: bounds the replay of a
 # signed spec (admission.py); a job running longer gets no new workers after it.
@@ -173,7 +174,7 @@ def _submit(store: Store, spec: JobSpec, secret: bytes | None, lease: int) -> No
     spec_key = keys.job(spec.name, "spec")
     status_key = keys.job(spec.name, "status")
     old_spec, old_status = store.get(spec_key), store.get(status_key)
-    state = _read(store, status_key, JobStatus)
+    state = _read(store, status_key, JobStatus, ValueLog(log))
     if old_spec is not None and not (state is not None and state.finished):
         raise OptionsError(f"job {spec.name!r} already exists in the store and has not "
                            f"finished; choose another --job-name or run `pollux-run cancel "
@@ -205,6 +206,7 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
         if threading.current_thread() is threading.main_thread() else {}
     last_line = ""
     unreachable = False
+    values = ValueLog(log)  # a malformed status or hints: said once, read as none yet
     try:
         while True:
             if interrupted:
@@ -212,8 +214,8 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
                 print(f"[pollux] {job}: cancelled", file=stdout, flush=True)
                 return 128 + interrupted[0]
             try:
-                status = _read(store, keys.job(job, "status"), JobStatus)
-                hints = _read(store, keys.job(job, "hints"), JobHints)
+                status = _read(store, keys.job(job, "status"), JobStatus, values)
+                hints = _read(store, keys.job(job, "hints"), JobHints, values)
                 rev = store.revision()
             except StoreError as exc:  # e.g. etcd restarting: keep following the job
                 if not unreachable:
@@ -244,14 +246,11 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
             signal.signal(sig, handler)
 
 
-def _read(store: Store, key: str, cls):
+def _read(store: Store, key: str, cls: type[M], values: ValueLog) -> M | None:
+    """The message at ``key``; None if there is none or it is malformed (``values``
+    logs that once per revision)."""
     kv = store.get(key)
-    if kv is None:
-        return None
-    try:
-        return decode(cls, kv.value)
-    except MessageError:
-        return None
+    return values.read(cls, kv.key, kv.value, kv.mod_revision) if kv is not None else None
 
 
 def _cancel(store: Store, job: str, message: str) -> None:

@@ -18,6 +18,7 @@ from typing import IO
 import numpy as np
 
 from .. import keys
+from ..arguments import seconds
 from ..messages import (
     Allocation,
     JobHints,
@@ -29,8 +30,7 @@ from ..messages import (
     decode,
 )
 from ..rendezvous.store import Store
-from .arguments import seconds
-from .store_args import add_store_arguments, open_from_args
+from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
 
 
 def job_figures(hints: JobHints) -> dict[str, float | None]:
@@ -72,12 +72,13 @@ def render(store: Store, now: float | None = None) -> str:
     """The status tables as text."""
     now = time.time() if now is None else now
     nodes = {}
+    bad: list[str] = []  # keys of malformed values: shown, or a job would silently lose them
     for kv in store.get_prefix(keys.NODES):
         try:
             node = decode(NodeInfo, kv.value)
             nodes[node.name] = node
         except MessageError:
-            continue
+            bad.append(kv.key)
     jobs: dict[str, dict[str, object]] = {}
     kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation,
              "restarts": JobRestarts}
@@ -87,7 +88,7 @@ def render(store: Store, now: float | None = None) -> str:
             try:
                 jobs.setdefault(split[0], {})[split[1]] = decode(kinds[split[1]], kv.value)
             except MessageError:
-                continue
+                bad.append(kv.key)
     used: Counter[str] = Counter()
     rows = []
     for name, view in sorted(jobs.items()):
@@ -119,6 +120,10 @@ def render(store: Store, now: float | None = None) -> str:
     out.append(_table(
         ["JOB", "STATE", "GPUS PER NODE", "BATCH", "EFF", "GOODPUT", "SPEEDUP", "REALLOCS",
          "RESTARTS (LOST)", "AGE"], rows or [["(no jobs)"] + [""] * 9]))
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        out.append(f"ignored {len(bad)} malformed store value(s): "
+                   f"{', '.join(k[:100] for k in bad[:5])}{more}")
     return "\n\n".join(out)
 
 

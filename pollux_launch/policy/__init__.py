@@ -16,7 +16,13 @@ from pollux_launch.policy.objective import (
     reallocation_penalty,
 )
 from pollux_launch.policy.placement import check_allocation
-from pollux_launch.policy.registry import DEFAULT_POLICY, POLICIES, make_policy
+from pollux_launch.policy.registry import (
+    DEFAULT_POLICY,
+    POLICIES,
+    make_policy,
+    register_policy,
+    unregister_policy,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -32,4 +38,6 @@ __all__ = [
     "job_speedups",
     "make_policy",
     "reallocation_penalty",
+    "register_policy",
+    "unregister_policy",
 ]

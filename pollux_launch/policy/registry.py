@@ -27,6 +27,26 @@ POLICIES: dict[str, Callable[..., Policy]] = {"pollux-dp": _dp, "pollux-ga": _ga
 DEFAULT_POLICY = "pollux-dp"
 
 
+def register_policy(name: str, factory: Callable[..., Policy], *, replace: bool = False) -> None:
+    """Make ``make_policy(name, **options)`` build ``factory(**options)``.
+
+    Raises ValueError if ``name`` is taken, unless ``replace=True`` (a plug-in that
+    silently replaced a built-in engine would change every round's answer unnoticed).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"policy name must be a non-empty str, got {name!r}")
+    if not callable(factory):
+        raise ValueError(f"policy {name!r}: factory must be callable, got {factory!r}")
+    if name in POLICIES and not replace:
+        raise ValueError(f"policy {name!r} is already registered; pass replace=True to replace it")
+    POLICIES[name] = factory
+
+
+def unregister_policy(name: str) -> None:
+    """Forget the engine ``name`` (KeyError if it is not registered)."""
+    del POLICIES[name]
+
+
 def make_policy(name: str = DEFAULT_POLICY, **options) -> Policy:
     """Build the policy engine called ``name`` with ``options``.
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from pollux_launch.goodput import (
     GoodputFunction,
     GradParams,
+    GridCache,
     SpeedupFunction,
     fit_perf_params,
 )
@@ -111,6 +112,7 @@ class SimJob:
         self._stale = False
         self._speedup_key = None
         self._speedup_fn = _linear_speedup
+        self._grids: GridCache = {}  # candidate (m, s) grids: shared by all this job's fits
 
     # --- agent side ---------------------------------------------------------------------
     @property
@@ -145,7 +147,8 @@ class SimJob:
         self.choose_batch()  # a new model may prefer another (m, s) for the same GPUs
 
     def goodput_fn(self) -> GoodputFunction:
-        return GoodputFunction(self.perf_params, self.grad_params, self.trace.init_batch_size)
+        return GoodputFunction(self.perf_params, self.grad_params, self.trace.init_batch_size,
+                               grid_cache=self._grids)
 
     def speedup_fn(self):
         """The job's current speedup function (cached until its model changes)."""

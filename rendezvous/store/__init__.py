@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from pollux_launch.env import DEFAULT_PREFIX
+
 from .base import (
     Compare,
     Delete,
@@ -27,6 +29,7 @@ from .base import (
 __all__ = [
     "Compare", "Delete", "Event", "KeepAlive", "KeyValue", "LeaseExpired", "Put", "Store",
     "StoreCompacted", "StoreError", "StoreUnavailable", "open_store", "register_backend",
+    "unregister_backend",
 ]
 
 # scheme -> "module:factory"; a factory is called as factory(url, prefix, **options)
@@ -36,10 +39,30 @@ _BACKENDS: dict[str, str | Callable[..., Store]] = {
 }
 
 
-def register_backend(scheme: str, factory: str | Callable[..., Store]) -> None:
+def register_backend(
+    scheme: str, factory: str | Callable[..., Store], *, replace: bool = False
+) -> None:
     """Make ``open_store`` open ``scheme://...`` URLs with ``factory(url, prefix, **opts)``
-    (a callable, or "module:attr.path" imported on first use)."""
+    (a callable, or "module:attr.path" imported on first use).
+
+    Raises ValueError if ``scheme`` is taken, unless ``replace=True``: two plug-ins
+    claiming one scheme is a mistake to see, not to settle by import order.
+    """
+    if not isinstance(scheme, str) or not scheme or "://" in scheme:
+        raise ValueError(f"store scheme must be a name such as 'etcd', got {scheme!r}")
+    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+        raise ValueError(f"store backend {scheme!r}: factory must be a callable or "
+                         f"'module:attr', got {factory!r}")
+    scheme = scheme.lower()  # open_store matches schemes case-insensitively
+    if scheme in _BACKENDS and not replace:
+        raise ValueError(f"store scheme {scheme!r} is already registered; "
+                         "pass replace=True to replace it")
     _BACKENDS[scheme] = factory
+
+
+def unregister_backend(scheme: str) -> None:
+    """Forget ``scheme`` (KeyError if it is not registered)."""
+    del _BACKENDS[scheme.lower()]
 
 
 def _factory(scheme: str) -> Callable[..., Store]:
@@ -57,7 +80,7 @@ def _factory(scheme: str) -> Callable[..., Store]:
     return obj
 
 
-def open_store(url: str, prefix: str = "/pollux", **options: object) -> Store:
+def open_store(url: str, prefix: str = DEFAULT_PREFIX, **options: object) -> Store:
     """Open the store named by ``url``; keys are kept under ``prefix`` (one per cluster).
 
     Raises StoreError with one line saying what is wrong (unknown scheme, malformed URL,
@@ -71,7 +94,8 @@ def open_store(url: str, prefix: str = "/pollux", **options: object) -> Store:
         raise StoreError(f"unknown store URL scheme {scheme!r} in {url!r}; "
                          f"use one of: {', '.join(sorted(_BACKENDS))}")
     if not isinstance(prefix, str):
-        raise StoreError(f"store prefix must be a str such as '/pollux', got {prefix!r}")
+        raise StoreError(f"store prefix must be a str such as {DEFAULT_PREFIX!r}, "
+                         f"got {prefix!r}")
     factory = _factory(scheme)
     try:
         return factory(url, prefix, **options)

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
+from pollux_launch.env import DEFAULT_PREFIX
+
 from .base import (
     Compare,
     Delete,
@@ -137,7 +139,7 @@ class EmbeddedStore(Store):
     checks; ``history`` is how many revisions of events ``wait`` can look back over.
     """
 
-    def __init__(self, path: str | os.PathLike, prefix: str = "/pollux", *,
+    def __init__(self, path: str | os.PathLike, prefix: str = DEFAULT_PREFIX, *,
                  timeout: float = 10.0, poll_interval: float = 0.005,
                  history: int = 10_000) -> None:
         if not timeout > 0 or not poll_interval > 0 or int(history) < 1:
@@ -163,7 +165,7 @@ class EmbeddedStore(Store):
         self._conn()  # fail now, with a clear message, if the file is unusable
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "/pollux", **options: float) -> EmbeddedStore:
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **options: float) -> EmbeddedStore:
         return cls(path_from_url(url), prefix, **options)
 
     def __repr__(self) -> str:

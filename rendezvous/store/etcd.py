@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+from pollux_launch.env import DEFAULT_PREFIX
+
 from .base import (
     Compare,
     Delete,
@@ -122,7 +124,7 @@ class EtcdStore(Store):
     certificate and key for mutual TLS), ``user`` / ``password`` (etcd authentication).
     """
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = "/pollux", *,
+    def __init__(self, endpoints: Sequence[tuple[str, int]], prefix: str = DEFAULT_PREFIX, *,
                  timeout: float = 5.0, ca_cert: str | None = None,
                  cert_key: str | None = None, cert_cert: str | None = None,
                  user: str | None = None, password: str | None = None,
@@ -167,7 +169,7 @@ class EtcdStore(Store):
             raise
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "/pollux", **options) -> EtcdStore:
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **options) -> EtcdStore:
         endpoints, user, password = parse_url(url)
         options.setdefault("user", user)
         options.setdefault("password", password)

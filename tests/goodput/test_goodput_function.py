@@ -171,3 +171,19 @@ def test_speedup_bad_reference(fn):
         SpeedupFunction(fn, MAX, BOUNDS, reference=(2, 1))
     with pytest.raises(ValueError, match="no batch configuration fits the reference"):
         SpeedupFunction(fn, MAX, (32, 64), accumulation=False)
+
+
+def test_single_allocation_grids_are_memoised_by_their_owner_not_the_module(fn):
+    many = fn.optimize(np.array([1, 1, 2]), np.array([1, 4, 8]), MAX, BOUNDS)
+    cache: dict = {}
+    for k, n in ((1, 1), (4, 1), (8, 2)):
+        own = GoodputFunction(PERF, GRAD, M0, grid_cache=cache)
+        one = own.optimize(n, k, MAX, BOUNDS)
+        i = [1, 4, 8].index(k)
+        assert [int(a) for a in one[1:]] == [int(many[1][i]), int(many[2][i])]
+        assert float(one[0]) == pytest.approx(float(many[0][i]))
+    assert len(cache) == 3  # shared by every function given it
+    assert all(not a.flags.writeable for grid in cache.values() for a in grid)
+    fresh = GoodputFunction(PERF, GRAD, M0)
+    fresh.optimize(1, 4, MAX, BOUNDS)
+    assert len(cache) == 3 and len(fresh._grids) == 1  # no state shared through the module

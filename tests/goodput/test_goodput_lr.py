@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from pollux_launch.goodput import GradParams, LEGWState, lr_rules, register_lr_rule, scale_lr
+from pollux_launch.goodput import (
+    GradParams,
+    LEGWState,
+    lr_rules,
+    register_lr_rule,
+    scale_lr,
+    unregister_lr_rule,
+)
 
 GRAD = GradParams(sqr=0.02, var=0.6)
 STATS = {"linear": None, "sqrt": None, "adascale": GRAD, "legw": LEGWState(5.0, 10.0)}
@@ -27,14 +34,36 @@ def test_rules_at_scale_four():
     assert scale_lr("legw", 128, 512, LEGWState(100.0, 10.0)) == pytest.approx(2.0)
 
 
-def test_user_rules_by_callable_and_registry():
-    def cube_root(scale, stats):
+@pytest.fixture
+def cube_root():
+    """A user rule registered for one test and forgotten afterwards (no leaks)."""
+
+    def rule(scale, stats):
         return scale ** (1 / 3)
 
+    register_lr_rule("cube_root", rule)
+    yield rule
+    unregister_lr_rule("cube_root")
+
+
+def test_user_rules_by_callable_and_registry(cube_root):
     assert scale_lr(cube_root, 100, 800) == pytest.approx(2.0)
-    register_lr_rule("cube_root", cube_root)
     assert "cube_root" in lr_rules()
     assert scale_lr("cube_root", 100, 100) == pytest.approx(1.0)
+
+
+def test_a_taken_name_is_refused_unless_replaced(cube_root):
+    with pytest.raises(ValueError, match="'cube_root' is already registered"):
+        register_lr_rule("cube_root", lambda scale, stats: scale)
+    with pytest.raises(ValueError, match="'linear' is already registered"):
+        register_lr_rule("linear", lambda scale, stats: 1.0)
+    assert scale_lr("linear", 128, 512) == pytest.approx(4.0)
+    register_lr_rule("cube_root", lambda scale, stats: scale, replace=True)
+    assert scale_lr("cube_root", 100, 800) == pytest.approx(8.0)
+
+
+def test_rules_do_not_leak_between_tests():
+    assert "cube_root" not in lr_rules()  # the fixture above forgot it
 
 
 @pytest.mark.parametrize(

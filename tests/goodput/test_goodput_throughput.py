@@ -1,4 +1,4 @@
-"""Throughput model (Pollux Eqn 9-11): predictions, fit, exploration priors, bad input."""
+"""Throughput model (Pollux Eqn 7-11): predictions, fit, exploration priors, bad input."""
 
 import numpy as np
 import pytest

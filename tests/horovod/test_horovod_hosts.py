@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -56,7 +57,7 @@ def _wait_for(pred, timeout=10.0):
     return False
 
 
-def test_mirror_follows_allocation_and_cat_script_reads_it(embedded, tmp_path):
+def test_mirror_follows_allocation_and_cat_script_reads_it(embedded, tmp_path, caplog):
     _, store = embedded
     key = keys.job("j1", "allocation")
     hosts, script = tmp_path / "hosts", tmp_path / "discover.sh"
@@ -72,10 +73,14 @@ def test_mirror_follows_allocation_and_cat_script_reads_it(embedded, tmp_path):
         out = subprocess.run([str(script)], capture_output=True, text=True, check=True)
         assert out.stdout == "localhost:3\nn2:1\n"
         # Malformed JSON in the store is never executed, and changes nothing: the job
-        # keeps its hosts (a bad value must not shrink it)
+        # keeps its hosts (a bad value must not shrink it); it is said once, not at every
+        # refresh
+        caplog.set_level(logging.WARNING)
         store.put(key, '{"v": 1, "version": "x"}')
         assert not _wait_for(lambda: hosts.read_text() != "localhost:3\nn2:1\n", timeout=2.0)
         assert mirror.version == 2
+    said = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("ignoring malformed jobs/j1/allocation"), said
 
 
 def test_discover_entry_point_reads_the_store(embedded):

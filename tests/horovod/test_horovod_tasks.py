@@ -108,3 +108,16 @@ def test_a_task_for_another_command_is_refused(node):
         assert time.monotonic() < deadline, "no refusal reported"
         time.sleep(0.1)
     assert '"code":126' in node.store.get(keys.job("hr", "exits/rogue")).value
+
+
+def test_a_malformed_allocation_never_makes_a_worker_lost(tmp_path, caplog):
+    """A bad allocation value is logged once and tells nothing about a host: the worker
+    is not taken for lost (it used to raise out of Horovod's exec function)."""
+    with open_store(f"embedded://{tmp_path / 'store.db'}") as store:
+        store.put(keys.job("j", "allocation"), '{"v": 1, "version": "x"}')
+        exe = StoreExec(store, "j", COMMAND)
+        with caplog.at_level("WARNING"):
+            assert not exe._host_lost("gone-node")
+            assert not exe._host_lost("gone-node")
+    said = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(said) == 1 and "jobs/j/allocation" in said[0], said

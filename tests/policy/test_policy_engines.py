@@ -9,10 +9,13 @@ from hypothesis import strategies as st
 
 from pollux_launch.policy import (
     DEFAULT_POLICY,
+    POLICIES,
     check_allocation,
     evaluate_fitness,
     job_speedups,
     make_policy,
+    register_policy,
+    unregister_policy,
 )
 from pollux_launch.policy.placement import allocation_violations
 
@@ -194,3 +197,22 @@ def test_bad_options_and_inputs_are_clear_value_errors():
         pol.optimize(jobs, make_nodes(2), np.zeros((2, 2)))
     with pytest.raises(ValueError, match="min_replicas"):
         pol.optimize(make_jobs([{"min_replicas": 4, "max_replicas": 2}]), make_nodes(1), None)
+
+
+def test_registering_an_engine_never_replaces_one_silently():
+    from pollux_launch.policy.dp import DPPolicy
+
+    built = POLICIES["pollux-dp"]
+    register_policy("test-dp", lambda **o: DPPolicy(**o))
+    try:
+        assert isinstance(make_policy("test-dp", p=-1), DPPolicy)
+        with pytest.raises(ValueError, match="'pollux-dp' is already registered"):
+            register_policy("pollux-dp", lambda **o: DPPolicy(**o))
+        assert POLICIES["pollux-dp"] is built
+        register_policy("test-dp", built, replace=True)
+        assert POLICIES["test-dp"] is built
+        with pytest.raises(ValueError, match="callable"):
+            register_policy("x", "pollux_launch.policy.dp:DPPolicy")
+    finally:
+        unregister_policy("test-dp")  # tests never leak registrations
+    assert "test-dp" not in POLICIES

@@ -1,7 +1,9 @@
 """Command-line values, checked where argparse reads them: every bad one ends as ONE line
 naming the flag and the fix (``pollux-run: error: ...``, exit code 2), never a usage
 dump or a traceback. Every ``pollux-run`` parser is a :class:`OneLineParser`, and every
-number flag takes one of the types below (``nan`` and ``inf`` are never a setting)."""
+number flag takes one of the types below (``nan`` and ``inf`` are never a setting).
+
+Shared by the launcher and the coordinator subcommands, so that neither imports the other."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import argparse
 import math
 from typing import NoReturn
 
-from .. import keys
-from ..messages import MAX_SLOTS
+from . import keys
+from .messages import MAX_SLOTS
 
 
 class OptionsError(ValueError):

@@ -1,8 +1,11 @@
-"""Store flags shared by every subcommand that talks to the cluster.
+"""Store flags shared by every ``pollux-run`` subcommand that talks to the cluster
+(the launcher, the node agent, the coordinator, status, cancel).
 
-TLS and auth options pass through to the etcd client. A password is never taken on the
-command line (it would show in ``ps``): it comes from ``--password-file`` or the
-``POLLUX_STORE_PASSWORD`` environment variable, and is never logged.
+They live with the store, not with any one subcommand, so that the launcher and the
+coordinator both depend on the store and never on each other. TLS and auth options pass
+through to the etcd client. A password is never taken on the command line (it would
+show in ``ps``): it comes from ``--password-file`` or the ``POLLUX_STORE_PASSWORD``
+environment variable, and is never logged.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import argparse
 import os
 from pathlib import Path
 
-from .. import env as envvars
-from ..rendezvous.store import Store, StoreError, open_store
+from pollux_launch import env as envvars
+
+from . import Store, StoreError, open_store
 
 DEFAULT_URL = "embedded://"
 PASSWORD_ENV = envvars.STORE_PASSWORD
@@ -23,7 +27,8 @@ def add_store_arguments(parser: argparse.ArgumentParser, default: str | None = N
     g.add_argument("--store", default=default,
                    help="etcd://host:port[,host:port...] or embedded:///path "
                    f"(default: {default or 'an embedded store on this machine'})")
-    g.add_argument("--store-prefix", default="/pollux", help="key prefix of this cluster")
+    g.add_argument("--store-prefix", default=envvars.DEFAULT_PREFIX,
+                   help=f"key prefix of this cluster (default {envvars.DEFAULT_PREFIX})")
     g.add_argument("--ca-cert", help="etcd TLS: CA certificate file")
     g.add_argument("--cert", dest="cert_cert", help="etcd TLS: client certificate file")
     g.add_argument("--key", dest="cert_key", help="etcd TLS: client key file")
