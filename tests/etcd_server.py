@@ -29,6 +29,8 @@ class EtcdServer:
     ``kill()`` sends SIGKILL; ``start()`` again reuses the same ports and data dir.
     ``tls``: a folder with ca.pem, server.pem/.key and client.pem/.key (``make_certs``)
     makes the client port speak TLS and require a client certificate.
+    ``enable_auth(pw)`` turns on authentication with a ``root`` user; ``channel()`` is a
+    gRPC channel to it (over TLS as a client would), ``users(pw)`` lists its users.
     """
 
     def __init__(self, data_dir: str | Path, tls: Path | None = None,
@@ -107,6 +109,41 @@ class EtcdServer:
     def restart(self) -> None:
         self.kill()
         self.start()
+
+    def channel(self):
+        """A gRPC channel to the client port (TLS with the client certificate if ``tls``)."""
+        import grpc
+
+        target = f"127.0.0.1:{self.client_port}"
+        if not self.tls:
+            return grpc.insecure_channel(target)
+        creds = grpc.ssl_channel_credentials(
+            (self.tls / "ca.pem").read_bytes(), (self.tls / "client.key").read_bytes(),
+            (self.tls / "client.pem").read_bytes())
+        return grpc.secure_channel(target, creds)
+
+    def enable_auth(self, root_password: str) -> None:
+        """Turn authentication on, with a ``root`` user (role root) of that password."""
+        from pyetcd import etcdrpc
+
+        with self.channel() as channel:
+            auth = etcdrpc.AuthStub(channel)
+            auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=root_password),
+                         timeout=5)
+            auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"),
+                               timeout=5)
+            auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=5)
+
+    def users(self, root_password: str) -> list[str]:
+        """The users of an etcd with authentication (asked as ``root``)."""
+        from pyetcd import etcdrpc
+
+        with self.channel() as channel:
+            auth = etcdrpc.AuthStub(channel)
+            token = auth.Authenticate(etcdrpc.AuthenticateRequest(
+                name="root", password=root_password), timeout=5).token
+            return list(auth.UserList(etcdrpc.AuthUserListRequest(), timeout=5,
+                                      metadata=[("token", token)]).users)
 
 
 def make_certs(folder: Path) -> Path:

@@ -43,15 +43,19 @@ def read_jsonl(folder: Path, pattern: str = "*.jsonl") -> list[dict]:
 
 
 class Cluster:
-    def __init__(self, url: str, tmp: Path) -> None:
-        self.url, self.tmp = url, tmp
+    """``store_flags``: more store flags for every ``pollux-run`` (TLS, ``--user``,
+    ``--password-file``); ``store_options``: the same for this test's own ``open_store``."""
+
+    def __init__(self, url: str, tmp: Path, store_flags: tuple[str, ...] = (),
+                 **store_options: object) -> None:
+        self.url, self.tmp, self.store_flags = url, tmp, store_flags
         # a Rendezvous made in this test process binds its transports in os.environ: the
         # services must find their own, as on a fresh host
         inherited = {k: v for k, v in os.environ.items() if k not in TRANSPORT_IFNAME}
         self.env = {**inherited, "POLLUX_SECRET": SECRET, "LOG_DIR": str(tmp / "logs")}
         (tmp / "logs").mkdir()
         self.procs: dict[str, subprocess.Popen] = {}
-        self.store = open_store(url)
+        self.store = open_store(url, **store_options)
 
     def start(self, name: str, *args: str, host=None) -> subprocess.Popen:
         """``pollux-run ARGS`` as process ``name`` (its output in ``<name>.log``), inside
@@ -64,23 +68,23 @@ class Cluster:
         return self.procs[name]
 
     def coordinator(self, *flags: str) -> None:
-        self.start("coordinator", "coordinator", "--store", self.url, "--interval", "2",
-                   "--realloc-delay", "1", "--lease-ttl", "2", *flags)
+        self.start("coordinator", "coordinator", "--store", self.url, *self.store_flags,
+                   "--interval", "2", "--realloc-delay", "1", "--lease-ttl", "2", *flags)
 
     def agent(self, node: str, slots: int, host=None) -> None:
         """A node agent; on loopback unless ``host`` (then it finds its own address)."""
         where = () if host is not None else ("--address", "127.0.0.1")
-        self.start(f"agent-{node}", "agent", "--store", self.url, "--node-name", node,
-                   "--slots", str(slots), "--lease-ttl", "2", "--state-dir",
-                   str(self.tmp / f"state-{node}"), *where, host=host)
+        self.start(f"agent-{node}", "agent", "--store", self.url, *self.store_flags,
+                   "--node-name", node, "--slots", str(slots), "--lease-ttl", "2",
+                   "--state-dir", str(self.tmp / f"state-{node}"), *where, host=host)
 
     def submit(self, job: str, *flags: str, target: float = 0.85, epochs: int | None = None,
                host=None) -> subprocess.Popen:
         stop = self.tmp / f"{job}.stop"
         more = ("--epochs", str(epochs)) if epochs else ()
-        return self.start(job, "--store", self.url, "--job-name", job, *flags, sys.executable,
-                          WORKER, "--stop-file", str(stop), "--target", str(target),
-                          "--step-delay", "0.1", *more, host=host)
+        return self.start(job, "--store", self.url, *self.store_flags, "--job-name", job,
+                          *flags, sys.executable, WORKER, "--stop-file", str(stop),
+                          "--target", str(target), "--step-delay", "0.1", *more, host=host)
 
     def status(self, job: str) -> JobStatus | None:
         kv = self.store.get(keys.job(job, "status"))
