@@ -7,7 +7,7 @@ timed on rank 0 between barriers. Overhead of a pair = t_with / t_without - 1; t
 is the median over pairs.
 
 What is attached is chosen by ``--attach module:function`` (default: the agent's
-measurement hooks, :func:`pollux_launch.agent.hooks.attach_measurement`); the function is
+measurement hooks, :func:`pollux_launch.tuning.hooks.attach_measurement`); the function is
 called as ``f(ddp_model, optimizer, init_batch_size=, num_replicas=, local_bsz=)`` and
 must return an object with ``remove()``.
 
@@ -38,7 +38,7 @@ WORLD = 2
 
 
 def default_attach(model: Any, optimizer: Any, **kw: Any) -> Any:
-    from pollux_launch.agent.hooks import attach_measurement
+    from pollux_launch.tuning.hooks import attach_measurement
 
     return attach_measurement(model, optimizer, **kw)
 

@@ -26,7 +26,7 @@ import json
 import torch
 from tqdm import tqdm
 
-from pollux_launch.agent.grad_monitor import GradientNoiseMonitor
+from pollux_launch.tuning.grad_monitor import GradientNoiseMonitor
 
 
 def true_noise_scale(d: int, sigma: float, delta_sqr: float) -> float:

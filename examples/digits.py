@@ -9,7 +9,7 @@ or alone (one process, still batch-size adaptive)::
     python examples/digits.py --epochs 5
 
 Nothing is downloaded: the 1797 8x8 images ship inside scikit-learn. 20 % are held out
-for validation. Rank 0 prints one line per epoch: what the PolluxAgent decided and the
+for validation. Rank 0 prints one line per epoch: what the GoodputTuner decided and the
 validation accuracy.
 """
 

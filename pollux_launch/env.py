@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-STORE = "POLLUX_STORE"  # the store URL (never with a password: see store_args)
+STORE = "POLLUX_STORE"  # the store URL (never with a password: see store.cli_args)
 PREFIX = "POLLUX_STORE_PREFIX"  # the cluster's key prefix
 DEFAULT_PREFIX = "/pollux"
 # How a job's processes reach an etcd with TLS and authentication: the CA and client
@@ -32,6 +32,7 @@ LOG_LEVEL = "POLLUX_LOG_LEVEL"
 CHECKPOINT_DIR = "POLLUX_CHECKPOINT_DIR"  # the job's durable checkpoints (pollux-run flag)
 CHECKPOINT_INTERVAL = "POLLUX_CHECKPOINT_INTERVAL"  # seconds between them (default below)
 DEFAULT_CHECKPOINT_INTERVAL = 60.0
+DEEPSPEED_KEEP_STATE = "POLLUX_DEEPSPEED_KEEP_STATE"  # keep engine.restored_state (tests)
 
 # The operator's secrets, read by pollux-run and its services from their environment
 # and NEVER passed on to a job's processes (WorkerGroup strips them): the cluster secret

@@ -338,6 +338,25 @@ class Rendezvous:
                 except StoreUnavailable:
                     time.sleep(0.2)
 
+    def await_newcomers(self) -> None:
+        """A newcomer's side of the grow wait (the survivors' is ``_awaiting_newcomers``):
+        call before the first ``next_round``; waits, at most ``grow_grace``, until every
+        worker the allocation asks for has registered, so that the running replicas pause
+        once, briefly, for all newcomers together. Store trouble ends the wait: the round
+        itself reports it properly."""
+        deadline = time.monotonic() + self.config.grow_grace
+        while time.monotonic() < deadline:
+            try:
+                rev = self.store.revision()
+                kv = self.store.get(self.keys.allocation)
+                want = self._decode(Allocation, kv).num_replicas if kv else 0
+                if want and len(self.store.get_prefix(self.keys.workers)) >= want:
+                    return
+                self.store.wait(self.keys.prefix, rev,
+                                timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+            except (StoreError, RendezvousError):
+                return
+
     def _attempt(self, entered: dict[int, float]) -> RoundState | str:
         """One look at the store: bump, join or close a round. Returns the RoundState to
         form, _AGAIN (look again now), _WAIT (in an open round: wait for a change) or _IDLE

@@ -16,7 +16,9 @@ Example (all keys; see README.md next to this file)::
         "micro_batch_size_range": [4, 64],
         "lr_scaling": "adascale",
         "gradient_accumulation": true,
-        "report_interval": 30
+        "report_interval": 30,
+        "checkpoint_dir": "/shared/ckpt/my-job",
+        "checkpoint_interval": 120
     }
 
 This module is pure: no DeepSpeed import, no I/O except reading a JSON file named by
@@ -56,7 +58,7 @@ class PolluxConfig:
             were tuned. Training starts there and the gradient noise scale is normalised
             to it (Pollux Eqn 4-6).
         max_batch_size: the largest total batch size pollux may choose (Pollux's ``M``
-            upper limit, goodput Eqn 2). Default: ``initial_batch_size`` (no growth).
+            upper limit in the (m, s) search, Eqn 13). Default: ``initial_batch_size`` (no growth).
         micro_batch_size_range: ``(min, max)`` per-GPU micro batch ``m`` (memory limits:
             the largest that fits, the smallest that still runs efficiently). Default
             ``(1, initial_batch_size)``.
@@ -68,6 +70,11 @@ class PolluxConfig:
             Default ``False`` (as adaptdl).
         report_interval: seconds between two reports of the job's hints (fitted throughput
             model, gradient statistics) to the store by rank 0 under pollux-run. Default 30.
+        checkpoint_dir: where the job's durable state goes (the consolidated engine state,
+            the same for every ZeRO stage and world size); default: ``pollux-run
+            --checkpoint-dir``, else none. A job whose workers all died resumes there.
+        checkpoint_interval: seconds between two checkpoints (written in the background);
+            default: ``pollux-run --checkpoint-interval``.
     """
 
     enabled: bool = False
@@ -77,6 +84,8 @@ class PolluxConfig:
     lr_scaling: str = "adascale"
     gradient_accumulation: bool = False
     report_interval: float = 30.0
+    checkpoint_dir: str | None = None
+    checkpoint_interval: float | None = None
 
     @property
     def min_micro_batch_size(self) -> int:
@@ -113,6 +122,8 @@ _FIELDS = {
     "lr_scaling": str,
     "gradient_accumulation": bool,
     "report_interval": float,
+    "checkpoint_dir": str,
+    "checkpoint_interval": float,
 }
 
 
@@ -219,9 +230,19 @@ def parse_pollux_config(config: str | Path | Mapping[str, Any] | None) -> Pollux
     if not 0 < report < float("inf"):
         raise PolluxConfigError(f"pollux.report_interval must be > 0 seconds, got {report}")
 
+    ckpt_dir = section.get("checkpoint_dir")
+    if ckpt_dir is not None and not ckpt_dir.strip():
+        raise PolluxConfigError("pollux.checkpoint_dir must name a folder, got an empty string")
+    ckpt_every = section.get("checkpoint_interval")
+    if ckpt_every is not None and not 0 < ckpt_every < float("inf"):
+        raise PolluxConfigError(
+            f"pollux.checkpoint_interval must be > 0 seconds, got {ckpt_every}")
+
     cfg = PolluxConfig(enabled=enabled, initial_batch_size=init, max_batch_size=max_bsz,
                        micro_batch_size_range=(lo, hi), lr_scaling=lr,
-                       gradient_accumulation=accumulate, report_interval=float(report))
+                       gradient_accumulation=accumulate, report_interval=float(report),
+                       checkpoint_dir=ckpt_dir,
+                       checkpoint_interval=None if ckpt_every is None else float(ckpt_every))
     if enabled:
         _check_conflicts(ds, cfg)
     return cfg

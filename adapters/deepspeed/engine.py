@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pollux_launch import env as envvars
+
 from . import compat
 from .config import (
     PolluxConfig,
@@ -41,7 +43,8 @@ from .config import (
 from .gradients import DeepSpeedGradStats
 from .state import EngineState, capture, detach, restore
 
-JOB_ENV = "POLLUX_JOB"
+JOB_ENV = envvars.JOB
+NEWCOMER_WAIT_S = 120.0  # the longest survivors keep training while a grow's newcomers start
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -147,6 +150,8 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
     (a newcomer to a running job receives its state), hand it to the elastic driver."""
     from pollux_launch.adapters.torch.data import AdaptiveDataLoader
     from pollux_launch.adapters.torch.job import init as join_job
+    from pollux_launch.elastic.controller import checkpoint_writer
+    from pollux_launch.rendezvous.protocol import RendezvousConfig
 
     from .elastic import ElasticDeepSpeed
 
@@ -155,7 +160,9 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
     recipe = _Recipe.record(kwargs, ds_config)
     compat.prewarm()  # before announcing ourselves: survivors may wait for us
     _rehearse(recipe, pollux)
-    job = join_job()  # forms this round's process group (and exports RANK, WORLD_SIZE...)
+    # forms this round's process group (and exports RANK, WORLD_SIZE...); newcomers take
+    # long to start (DeepSpeed's import and a rehearsal build): survivors wait longer
+    job = join_job(config=RendezvousConfig(grow_grace=NEWCOMER_WAIT_S))
     deepspeed.init_distributed(dist_init_required=False)  # adopt it
     loader = None
     if data is not None:
@@ -168,7 +175,8 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
     micro, steps = pollux.initial_micro_batch(_world_size())
     handle = PolluxEngine(recipe, pollux, micro, steps)
     handle.loader = loader
-    ElasticDeepSpeed(handle, job, loader)
+    ElasticDeepSpeed(handle, job, loader, checkpoints=checkpoint_writer(
+        pollux.checkpoint_dir, pollux.checkpoint_interval))
     return handle, handle.live("optimizer"), loader, handle.live("lr_scheduler")
 
 

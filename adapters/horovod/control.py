@@ -1,27 +1,28 @@
-"""The Pollux agent inside a Horovod Elastic job: decisions, LR scaling and hints.
+"""The goodput tuner (the paper's PolluxAgent) in a Horovod Elastic job: decisions, LR, hints.
 
 :class:`HorovodControl` sits on the measuring ``DistributedOptimizer`` (``optimizer.
-pollux_control``; the measurement is ``optimizer.pollux``) and drives a
-:class:`~pollux_launch.agent.agent.PolluxAgent` with it. It acts at two kinds of points,
-identically on every rank:
+pollux_control``; the measurement is ``optimizer.pollux``). The step-boundary protocol -
+rank 0's decision of ``(m, s)`` (Pollux Eqn 13), the LR factor and the vote interval,
+broadcast to every rank; hints reported when due; a forced decision for every new group
+- is the shared :class:`~pollux_launch.elastic.controller.ElasticController`, the same as
+for the torch and DeepSpeed adapters. Horovod re-forms its groups itself
+(``hvd.elastic.run``), so the controller gets no membership, and this module only
+connects it to Horovod:
 
 * **after every reset that adds workers** (and at the start): in the ``TorchState``
   sync, which Horovod runs on *all* ranks then - survivors and newcomers alike. Rank 0's
-  measurement, progress and counters are broadcast as JSON bytes (no pickle), then a
-  decision is forced for the new world size. (A reset callback runs on survivors only,
-  before that sync, so it cannot hold a collective: newcomers would not join it.)
-* **after a reset that only removed workers**, at the end of the first step in the new
-  group: Horovod 0.28 skips the sync then (``HostsUpdatedInterrupt.skip_sync``), but
-  every rank is a survivor and sees ``hvd.size()`` differ from the size it last decided
-  for, so all of them decide at that step boundary;
-* **every** ``decide_every`` **optimiser steps** (the step counter is part of the synced
+  measurement and controller state are broadcast as JSON bytes (no pickle), then the
+  controller enters the new group (a forced decision). (A reset callback runs on
+  survivors only, before that sync, so it cannot hold a collective: newcomers would not
+  join it.)
+* **after a reset that only removed workers**: Horovod 0.28 skips the sync then
+  (``HostsUpdatedInterrupt.skip_sync``), but every rank is a survivor and the controller
+  sees ``hvd.size()`` differ from the size it last decided for at the next step
+  boundary, so all of them decide there;
+* **every optimiser step**: ``after_step`` (the step counter is part of the synced
   state, so all ranks reach the same steps).
 
-A decision: rank 0 refits the throughput model when due, picks the per-GPU batch ``m``
-and accumulation steps ``s`` maximising goodput for ``hvd.size()`` ranks (Pollux Eqn 13)
-and the LR factor of the batch ``K m (s+1)`` (AdaScale for SGD, square root for Adam;
-Pollux Sec. 3.1), reports the job's ``JobHints`` to the store when due, and broadcasts
-``(m, s, factor)``. Every rank applies it: ``set_backward_passes_per_step(s + 1)`` on the
+A decision is applied by every rank: ``set_backward_passes_per_step(s + 1)`` on the
 optimizer, ``m (s+1)`` as the batch of the given ``data_loader`` (Horovod's "allreduce
 batch", which the training loop splits into ``optimizer.backward_passes_per_step``
 micro-batches), and the LR factor around each ``optimizer.step()`` - applied and undone,
@@ -37,16 +38,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pollux_launch import env as envvars
-from pollux_launch.agent.agent import AgentConfig, PolluxAgent, default_lr_rule
-from pollux_launch.agent.gns import GNSEstimator, GradNoise
-from pollux_launch.agent.progress import StatisticalProgress
+from pollux_launch.elastic.controller import ElasticController, HintsReporter
+from pollux_launch.tuning.gns import GNSEstimator, GradNoise
+from pollux_launch.tuning.progress import StatisticalProgress
+from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, default_lr_rule
 
 from .measure import HorovodMeasurement
 
@@ -125,140 +125,149 @@ class HorovodControl:
                 dataset_size = None
         self.dataset_size = dataset_size
         self.on_decision = on_decision
-        self.agent: PolluxAgent | None = None  # built at the first sync (needs M0)
+        self.tuner: GoodputTuner | None = None  # built at the first sync (needs M0)
+        self.controller: ElasticController | None = None
         self.lr_factor = 1.0
-        self.steps = 0  # optimiser steps of the job (synced)
-        self.resets = 0  # forced decisions: the start and every reset (synced)
-        self._decided_size = 0  # hvd.size() at the last forced decision
-        self._grad: GradNoise | None = None
-        self._store: Any | None = None
-        self._store_failed = False
 
     # -- what the optimizer calls ----------------------------------------------------------
     def sync(self) -> None:
         """All ranks, after every reset and at the start: take rank 0's state, decide."""
         hvd, m = self.hvd, self.measurement
-        if hvd.rank() == 0 and self.agent is None:
+        if hvd.rank() == 0 and self.controller is None:
             self._build(self._init_batch_size or hvd.size() * self.local_bsz
                         * (self.accum_steps + 1))
         mine = None
         if hvd.rank() == 0:
-            assert self.agent is not None
-            mine = {"v": CONTROL_STATE_VERSION, "m0": self.agent.config.init_batch_size,
-                    "measure": m.state_dict(), "progress": self.agent.progress.state_dict(),
-                    "steps": self.steps, "resets": self.resets, "batch": [
-                        self.local_bsz, self.accum_steps]}
+            assert self.controller is not None and self.tuner is not None
+            mine = {"v": CONTROL_STATE_VERSION, "m0": self.tuner.config.init_batch_size,
+                    "measure": m.state_dict(), "control": self.controller.state_dict(),
+                    "batch": [self.local_bsz, self.accum_steps]}
         state = broadcast_json(hvd, mine, 0, "pollux.control.state")
         if hvd.rank() != 0:
             if not isinstance(state, dict) or state.get("v") != CONTROL_STATE_VERSION:
                 raise ValueError("pollux control state: unexpected format from rank 0")
-            if self.agent is None:
+            if self.controller is None:
                 self._build(int(state["m0"]))
-            assert self.agent is not None
+            assert self.controller is not None
             m.load_state_dict(state["measure"])
-            self.agent.progress.load_state_dict(state["progress"])
-            self.agent._fitted_len = -1  # refit from the received profile
-            self.steps, self.resets = int(state["steps"]), int(state["resets"])
+            self.controller.load_state_dict(state["control"])
             self.local_bsz, self.accum_steps = (int(v) for v in state["batch"])
         m.abort_step()
-        self.decide(force=True)
+        self.controller.enter_round()
 
     def after_step(self) -> None:
         """All ranks, after every optimiser step."""
-        self.steps += 1
-        if self.agent is not None:
-            self.agent.progress.step(self.batch_size, self._grad)
-            resized = self.hvd.size() != self._decided_size  # a removal-only reset
-            if resized or self.steps % self.decide_every == 0:
-                self.decide(force=resized)
+        if self.controller is not None:
+            self.controller.after_step(self.batch_size)
 
-    # -- decisions -------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        return self.controller.steps if self.controller is not None else 0
+
+    @property
+    def resets(self) -> int:
+        return self.controller.resets if self.controller is not None else 0
+
     @property
     def batch_size(self) -> int:
         return self.hvd.size() * self.local_bsz * (self.accum_steps + 1)
 
-    def decide(self, force: bool) -> None:
-        """Rank 0 picks ``(m, s)`` and the LR factor and reports; all ranks apply."""
-        assert self.agent is not None
-        hvd, agent = self.hvd, self.agent
-        if force:
-            self.resets += 1  # the first forced decision is the start, not a reset
-            self._decided_size = hvd.size()
-        self._grad = self.measurement.stats()
-        decision = torch.zeros(3, dtype=torch.float64)
-        if hvd.rank() == 0:
-            size, nodes = hvd.size(), max(1, min(hvd.cross_size(), hvd.size()))
-            current = (self.local_bsz, self.accum_steps)
-            m, s = agent.choose(nodes, size, None if force else current, refit=not force)
-            factor = agent.lr_factor(size * m * (s + 1))
-            decision[:] = torch.tensor([m, s, factor], dtype=torch.float64)
-            self._report(nodes, size, m, s, force)
-        decision = self.hvd.broadcast(decision, 0, name="pollux.control.decision")
-        self._apply(int(decision[0]), int(decision[1]), float(decision[2]), force)
-
-    def _apply(self, m: int, s: int, factor: float, force: bool) -> None:
-        self.lr_factor = factor
-        if not force and (m, s) == (self.local_bsz, self.accum_steps):
-            return
-        self.local_bsz, self.accum_steps = m, s
-        if self.data_loader is not None:
-            self.data_loader.batch_sampler.batch_size = m * (s + 1)
-        if self.optimizer.backward_passes_per_step != s + 1:
-            self.optimizer.set_backward_passes_per_step(s + 1)
-        if (m, s) != (self.measurement.local_bsz, self.measurement.accum_steps):
-            self.measurement.set_batch(m, s)  # re-keys the step profile at the next step
-        if self.on_decision is not None:
-            self.on_decision(m, s, factor)
-        log.info("rank %d: batch %d = %d x %d x %d, lr x%.3f", self.hvd.rank(),
-                 self.batch_size, self.hvd.size(), m, s + 1, factor)
-
     def _build(self, m0: int) -> None:
         lo, hi = self.local_bsz_bounds
         mx = max(self._max_batch_size or m0, m0)
-        config = AgentConfig(
+        config = TunerConfig(
             init_batch_size=m0, max_batch_size=mx, local_bsz_bounds=(lo, hi),
             gradient_accumulation=self.gradient_accumulation,
             adaptive_batch_size=mx > m0, lr_scaling=self.lr_scaling,
             report_interval=self.report_interval, min_gain=self.min_gain)
-        self.agent = PolluxAgent(config, self.measurement.profile, lambda: self._grad,
+        self.tuner = GoodputTuner(config, self.measurement.profile, self._grad,
                                  StatisticalProgress(m0, self.dataset_size))
         m = self.measurement
         if m.estimator is None or m.estimator.init_batch_size != m0:
             m.estimator = GNSEstimator(m0, m.smoothing)
+        self.controller = ElasticController(
+            _HorovodHooks(self), self.tuner, _HorovodGroup(self.hvd),
+            reporter=HintsReporter.from_env(), decide_every=self.decide_every)
 
-    # -- hints -----------------------------------------------------------------------------
-    def _report(self, nodes: int, size: int, m: int, s: int, force: bool) -> None:
-        assert self.agent is not None
-        if not (force or self.agent.report_due()):
-            return
-        store, job = self._open_store(), os.environ.get(envvars.JOB)
-        if store is None or not job:
-            return
-        from pollux_launch.rendezvous.store import StoreError
-
-        try:
-            hints = self.agent.hints(nodes, size, m, s, restarts=max(0, self.resets - 1))
-            self.agent.report(store, job, hints)
-        except StoreError as exc:  # the store may be away for a while: training goes on
-            log.warning("could not report hints (%s)", exc)
-
-    def _open_store(self) -> Any | None:
-        if self._store is None and not self._store_failed and os.environ.get(envvars.STORE):
-            from pollux_launch.rendezvous.store import StoreError
-
-            try:
-                self._store = envvars.store_from_env()
-            except StoreError as exc:
-                log.warning("no hints: cannot open the store (%s)", exc)
-                self._store_failed = True
-        return self._store
+    def _grad(self) -> GradNoise | None:
+        return self.controller.grad if self.controller is not None else None
 
     def status(self) -> dict[str, Any]:
-        """What the agent sees now (for logs)."""
-        grad = self._grad
+        """What the tuner sees now (for logs)."""
+        grad = self._grad()
         return {"step": self.steps, "replicas": self.hvd.size(), "batch_size": self.batch_size,
                 "local_bsz": self.local_bsz, "accum_steps": self.accum_steps,
                 "lr_factor": self.lr_factor, "resets": self.resets,
                 "noise_scale": None if grad is None else grad.noise_scale,
                 "efficiency": None if grad is None or math.isnan(grad.noise_scale)
                 else float(grad.efficiency(self.batch_size))}
+
+
+class _HorovodGroup:
+    """Horovod's current ranks as the controller sees them (``Collectives``)."""
+
+    def __init__(self, hvd: Any) -> None:
+        self.hvd = hvd
+
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.hvd.size()
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, min(self.hvd.cross_size(), self.hvd.size()))
+
+    def broadcast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return self.hvd.broadcast(tensor, 0, name=name)
+
+
+class _HorovodHooks:
+    """What the controller needs done in a Horovod job (``FrameworkHooks``). Horovod
+    re-forms groups and moves the model's state itself (``hvd.elastic``), so the
+    re-forming hooks are never called: the controller has no membership here."""
+
+    def __init__(self, control: HorovodControl) -> None:
+        self.c = control
+
+    def batch(self) -> tuple[int, int]:
+        return self.c.local_bsz, self.c.accum_steps
+
+    def apply_batch(self, m: int, s: int) -> None:
+        c = self.c
+        c.local_bsz, c.accum_steps = m, s
+        if c.data_loader is not None:
+            c.data_loader.batch_sampler.batch_size = m * (s + 1)
+        if c.optimizer.backward_passes_per_step != s + 1:
+            c.optimizer.set_backward_passes_per_step(s + 1)
+        if (m, s) != (c.measurement.local_bsz, c.measurement.accum_steps):
+            c.measurement.set_batch(m, s)  # re-keys the step profile at the next step
+        if c.on_decision is not None:
+            c.on_decision(m, s, c.lr_factor)
+        log.info("rank %d: batch %d = %d x %d x %d, lr x%.3f", c.hvd.rank(), c.batch_size,
+                 c.hvd.size(), m, s + 1, c.lr_factor)
+
+    def set_lr_factor(self, factor: float) -> None:
+        self.c.lr_factor = factor  # the optimizer's step() applies it
+
+    def grad_stats(self) -> GradNoise | None:
+        return self.c.measurement.stats()
+
+    def capture(self, controller_state: dict[str, Any]) -> None:
+        raise NotImplementedError("Horovod re-forms its groups itself")
+
+    def rebuild(self, captured: Any, controller_state: dict[str, Any], from_rank0: bool
+                ) -> None:
+        raise NotImplementedError("Horovod re-forms its groups itself")
+
+    def leave(self) -> None:
+        pass
+
+    def checkpoint_state(self, controller_state: dict[str, Any], collective: bool) -> None:
+        return None  # Horovod's TorchState holds the model: commit() it to your own storage
+
+    def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        raise ValueError("Horovod jobs keep no pollux checkpoint")

@@ -9,8 +9,8 @@ there) and around ``synchronize()``:
 2. ``before_sync``: one small all-reduce (sum over ranks) of those squared norms, issued
    asynchronously so it overlaps the gradients' all-reduce;
 3. ``after_sync``: ``|mean_k g_k|^2`` of the averaged gradient; both moments go to the
-   pure estimator :class:`pollux_launch.agent.gns.GNSEstimator` (Pollux Eqn 4-6, PGNS
-   Eqn 5), and the step's time to :class:`pollux_launch.agent.profile.StepProfile`
+   pure estimator :class:`pollux_launch.tuning.gns.GNSEstimator` (Pollux Eqn 4-6, PGNS
+   Eqn 5), and the step's time to :class:`pollux_launch.tuning.profile.StepProfile`
    (the throughput model's data, Eqn 7-11).
 
 With ``K`` ranks the ``K`` local gradients are the samples (``count = K``; each covers
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from pollux_launch.agent.gns import GNSEstimator, GradNoise
-from pollux_launch.agent.preconditioner import make_preconditioner
-from pollux_launch.agent.profile import ProfileKey, StepProfile
+from pollux_launch.tuning.gns import GNSEstimator, GradNoise
+from pollux_launch.tuning.preconditioner import make_preconditioner
+from pollux_launch.tuning.profile import ProfileKey, StepProfile
 
 STATE_VERSION = 1
 

@@ -91,7 +91,7 @@ def _step(self: Any, closure: Any = None) -> Any:
     ctl: HorovodControl | None = self.pollux_control
     if ctl is None:
         return _Base.step(self, closure)
-    if ctl.agent is None and _under_pollux_run():
+    if ctl.tuner is None and _under_pollux_run():
         ctl.sync()  # no TorchState sync ran (not hvd.elastic): start here, on all ranks
     factor = ctl.lr_factor
     base = [g["lr"] for g in self.param_groups]
@@ -110,7 +110,9 @@ def _step(self: Any, closure: Any = None) -> Any:
 def _under_pollux_run() -> bool:
     import os
 
-    return bool(os.environ.get("POLLUX_JOB"))
+    from pollux_launch import env as envvars
+
+    return bool(os.environ.get(envvars.JOB))
 
 
 _OVERRIDES = {

@@ -1,4 +1,4 @@
-"""Native torch.distributed elastic training with the PolluxAgent.
+"""Native torch.distributed elastic training with the GoodputTuner.
 
 ::
 

@@ -26,12 +26,15 @@ most once; fewer than ``W * b`` unseen).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 
@@ -243,6 +246,9 @@ class AdaptiveDataLoader:
         # Called after every optimiser step, before the next batch: where the trainer
         # rescales and applies the agent's decisions (they arrive as set_* calls).
         self.on_step_boundary: Callable[[], None] | None = None
+        # set by the trainer's epochs(): the loop counts statistical epochs, not data ones
+        self.statistical_epochs = False
+        self._warned_loop = False
 
     # -- configuration -----------------------------------------------------------------
     @staticmethod
@@ -301,6 +307,7 @@ class AdaptiveDataLoader:
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        self._warn_fixed_loop()
         self._micro = 0
         self._apply()
         while not self.sampler.exhausted(self.num_replicas, self.local_bsz):
@@ -331,6 +338,18 @@ class AdaptiveDataLoader:
         self._micro = 0
         self.padded_last_epoch = self.sampler.padded
         self.sampler.set_epoch(self.sampler.epoch + 1)
+
+    def _warn_fixed_loop(self) -> None:
+        """Said once: an adaptive batch under a loop of data epochs trains less."""
+        if (self.statistical_epochs or self._warned_loop or self.on_step_boundary is None
+                or self.max_batch_size == self.init_batch_size):
+            return
+        self._warned_loop = True
+        log.warning(
+            "the adaptive loader is iterated outside epochs(N): when pollux grows the batch, "
+            "a data epoch takes fewer optimiser steps, so `for epoch in range(N)` trains "
+            "less than with the initial batch; loop `for epoch in trainer.epochs(N)` "
+            "(DeepSpeed: `engine.epochs(N)`) to train N epochs' worth of progress")
 
     def __len__(self) -> int:
         """Micro-batches left in this epoch under the current configuration."""

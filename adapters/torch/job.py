@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-from pollux_launch.messages import Allocation, MessageError, decode
 from pollux_launch.rendezvous.protocol import (
     ENV_JOB,
     GroupInfo,
@@ -28,11 +27,10 @@ from pollux_launch.rendezvous.protocol import (
     RendezvousConfig,
     WorkerRemoved,
 )
-from pollux_launch.rendezvous.store import StoreError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticJob", "Placement", "WorkerRemoved", "current_job", "init"]
+__all__ = ["ElasticJob", "JobCollectives", "Placement", "WorkerRemoved", "current_job", "init"]
 
 
 @dataclass(frozen=True)
@@ -81,27 +79,18 @@ class ElasticJob:
         """Collective: True on every rank when any rank saw a reason to re-form."""
         return self.rdzv.should_rescale() if self.rdzv else False
 
+    def credit_resumed(self, progress: float) -> None:
+        """The job resumed from a checkpoint with this progress (``JobRestarts``)."""
+        if self.rdzv is not None:
+            self.rdzv.credit_resumed(progress)
+
     def close(self) -> None:
+        global _current
         if self.rdzv is not None:
             self.rdzv.close()
             self.rdzv = None
-
-    def wait_for_peers(self, grace: float) -> None:
-        """A newcomer waits (at most ``grace`` s) until every worker the allocation asks
-        for has registered, so that the running replicas pause only once, briefly."""
-        assert self.rdzv is not None
-        store, rkeys = self.rdzv.store, self.rdzv.keys
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            rev = store.revision()
-            kv = store.get(rkeys.allocation)
-            try:
-                want = decode(Allocation, kv.value).num_replicas if kv else 0
-            except MessageError:
-                return
-            if want and len(store.get_prefix(rkeys.workers)) >= want:
-                return
-            store.wait(rkeys.prefix, rev, timeout=min(1.0, deadline - time.monotonic()))
+        if _current is self:  # init() starts a new one after this
+            _current = None
 
     @staticmethod
     def _placement(info: GroupInfo) -> Placement:
@@ -109,21 +98,54 @@ class ElasticJob:
                          info.local_world_size, info.round)
 
 
-_CURRENT: list[ElasticJob] = []  # the process's job, once init() ran (one per process)
+class JobCollectives:
+    """The controller's view of the job's current group (``elastic.controller.
+    Collectives``): small CPU broadcasts over the round's gloo control group, or over the
+    default group of a static job (on its device for nccl)."""
+
+    def __init__(self, job: ElasticJob) -> None:
+        self.job = job
+
+    @property
+    def rank(self) -> int:
+        return self.job.placement.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.job.placement.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.job.placement.num_nodes
+
+    def broadcast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        group = self.job.rdzv.group if self.job.rdzv is not None else None
+        if group is not None:
+            dist.broadcast(tensor, 0, group=group.control)
+            return tensor
+        if dist.get_backend() == "nccl":  # a static nccl group moves device tensors only
+            moved = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.broadcast(moved, 0)
+            return moved.cpu()
+        dist.broadcast(tensor, 0)
+        return tensor
+
+
+# The process's job once init() ran: a process belongs to one job at a time, as it has one
+# default process group; close() clears it.
+_current: ElasticJob | None = None
 
 
 def init(backend: str | None = None, config: RendezvousConfig | None = None) -> ElasticJob:
-    """Join this worker's job (see the module docstring); idempotent."""
-    if _CURRENT:
-        return _CURRENT[0]
+    """Join this worker's job (see the module docstring); idempotent until ``close()``."""
+    global _current
+    if _current is not None:
+        return _current
     if os.environ.get(ENV_JOB):
         config = config or RendezvousConfig(backend=backend)
         rdzv = Rendezvous.from_env(config)
         job = ElasticJob(rdzv, backend)
-        try:
-            job.wait_for_peers(config.grow_grace)
-        except StoreError:
-            pass  # next_round reports store trouble properly
+        rdzv.await_newcomers()  # the allocation's other newcomers, so survivors pause once
         job.next_round()
     else:
         job = ElasticJob(None, backend)
@@ -135,7 +157,7 @@ def init(backend: str | None = None, config: RendezvousConfig | None = None) -> 
             job.placement = Placement(
                 dist.get_rank(), dist.get_world_size(), max(1, world // local_world),
                 int(os.environ.get("LOCAL_RANK", 0)), local_world)
-    _CURRENT.append(job)
+    _current = job
     return job
 
 

@@ -92,6 +92,7 @@ class Coordinator:
         self.store, self.policy, self.interval = store, policy, interval
         self.node_grace = node_grace
         self._known: dict[str, NodeInfo] = {}  # every node seen, as last seen
+        self._modelled: set[str] = set()  # jobs whose hints carried a goodput model
         self._missing: dict[str, float] = {}  # node -> since when it is missing
         self._store_lost = False  # a store call failed since the last good read
         self._deposed = False  # a guarded write found another leader's value
@@ -327,7 +328,8 @@ class Coordinator:
             self._lease = 0
 
     def _triggers_round(self, event: Event) -> bool:
-        """Jobs submitted or finished, nodes that join, leave or change size, or free a
+        """Jobs submitted or finished, a job's first hints with a goodput model (until
+        then its speedup is a guess), nodes that join, leave or change size, or free a
         slot (a leaving worker exited); not a node's workers merely starting."""
         if event.key.startswith(keys.NODES):
             if event.kind == "delete":
@@ -340,7 +342,20 @@ class Coordinator:
             return (known is None or known.slots != node.slots
                     or sum(node.workers.values()) < sum(known.workers.values()))
         split = keys.split_job_key(event.key)
-        return split is not None and split[1] in ("spec", "status")
+        if split is None:
+            return False
+        job, part = split
+        if part == "hints" and event.kind == "put" and job not in self._modelled:
+            try:
+                hints = decode(JobHints, event.value)
+            except MessageError:
+                return False  # logged when the round reads it
+            if hints.perf_params is not None and hints.grad_sqr is not None:
+                self._modelled.add(job)
+                return True
+        if part == "spec" and event.kind == "delete":
+            self._modelled.discard(job)
+        return part in ("spec", "status")
 
 
 def _capacity(node: NodeInfo, placed: dict[str, Allocation | None]) -> int:

@@ -131,6 +131,7 @@ class CheckpointWriter:
         self.saved = 0  # checkpoints completed
         self.write_s = 0.0  # time the last one took to write (background)
         self.error: BaseException | None = None  # the last write's failure, if any
+        self.snapshot_s = 0.0  # the training thread's part of the last save (the copy)
         self._seq = 0
 
     def due(self) -> bool:
@@ -143,8 +144,10 @@ class CheckpointWriter:
         if not self._busy.acquire(blocking=wait):
             return False
         self._last = self.clock()
+        t0 = time.perf_counter()
         try:
             frozen = snapshot(state)
+            self.snapshot_s = time.perf_counter() - t0
         except BaseException:
             self._busy.release()
             raise

@@ -28,10 +28,10 @@ def test_a_new_trainer_resumes_from_the_newest_checkpoint(tmp_path, monkeypatch)
     for i, (x, y) in enumerate(first.loader):
         first.step(F.cross_entropy(first.model(x), y))
         if i == 6:  # mid-epoch
-            first._checkpoint(wait=True)
+            first.save_checkpoint(wait=True)
             taken = (first.steps, first.loader.state_dict(),
                      {k: v.clone() for k, v in first.module.state_dict().items()},
-                     first.agent.progress.iterations)
+                     first.tuner.progress.iterations)
         if i == 9:
             break  # the worker dies three steps later
     second = _trainer(tmp_path)

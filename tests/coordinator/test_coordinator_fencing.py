@@ -8,7 +8,15 @@ import pytest
 
 from pollux_launch import keys
 from pollux_launch.coordinator.service import Coordinator
-from pollux_launch.messages import Allocation, JobSpec, JobStatus, NodeInfo, decode, encode
+from pollux_launch.messages import (
+    Allocation,
+    JobHints,
+    JobSpec,
+    JobStatus,
+    NodeInfo,
+    decode,
+    encode,
+)
 from pollux_launch.policy import make_policy
 from pollux_launch.rendezvous.store import Event, open_store
 
@@ -89,3 +97,21 @@ def test_workers_starting_do_not_trigger_a_round_but_a_freed_slot_does(store):
     assert coord._triggers_round(Event("delete", keys.node("n1"), "", 0))
     assert coord._triggers_round(Event("put", keys.node("n3"),
                                        encode(NodeInfo("n3", 4)), 0))
+
+
+def test_a_jobs_first_hints_with_a_model_trigger_a_round_once():
+    """Until its hints carry a fitted model and gradient statistics a job's speedup is a
+    guess: the first such hints are worth a round now, not at the next interval."""
+    coord = Coordinator(None, make_policy("pollux-dp", p=-1.0, delta=1.0), lease_ttl=5.0)
+
+    def hints(model: bool) -> Event:
+        perf = dict(alpha_grad=0.01, beta_grad=0.001, alpha_local=0.01, beta_local=0.0,
+                    alpha_node=0.02, beta_node=0.0, gamma=2.0)
+        value = JobHints(32, 256, (4, 64), perf_params=perf if model else None,
+                         grad_sqr=1.0 if model else None, grad_var=2.0 if model else None)
+        return Event("put", keys.job("j", "hints"), encode(value), 0)
+
+    assert not coord._triggers_round(hints(model=False))
+    assert not coord._triggers_round(Event("put", keys.job("j", "hints"), "not json", 0))
+    assert coord._triggers_round(hints(model=True))
+    assert not coord._triggers_round(hints(model=True))  # only the first

@@ -61,5 +61,5 @@ for epoch in trainer.epochs(args.epochs):
     if stop.item():
         break
 if job.placement.rank == 0:
-    print(f"final val_acc {acc:.4f} statistical epochs {trainer.agent.progress.epochs():.2f}",
+    print(f"final val_acc {acc:.4f} statistical epochs {trainer.tuner.progress.epochs():.2f}",
           flush=True)

@@ -12,7 +12,7 @@ import horovod.torch as hvd
 import torch
 
 from pollux_launch.adapters.horovod import DistributedOptimizer
-from pollux_launch.agent.gns import GNSEstimator
+from pollux_launch.tuning.gns import GNSEstimator
 
 
 def main(out_dir: str, accum: int, optim: str, steps: int) -> None:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from pollux_launch.agent.gns import GNSEstimator, GradNoise, gradient_moments
-from pollux_launch.agent.grad_monitor import GradientNoiseMonitor
-from pollux_launch.agent.hooks import attach_measurement
-from pollux_launch.agent.preconditioner import (
+from pollux_launch.tuning.gns import GNSEstimator, GradNoise, gradient_moments
+from pollux_launch.tuning.grad_monitor import GradientNoiseMonitor
+from pollux_launch.tuning.hooks import attach_measurement
+from pollux_launch.tuning.preconditioner import (
     ADAM_MIN_STEPS,
     AdamPreconditioner,
     IdentityPreconditioner,

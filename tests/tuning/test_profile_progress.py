@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from pollux_launch.agent.gns import GradNoise
-from pollux_launch.agent.hooks import attach_measurement
-from pollux_launch.agent.profile import FIELDS, ProfileKey, StepProfile
-from pollux_launch.agent.progress import StatisticalProgress, progress_gain
+from pollux_launch.tuning.gns import GradNoise
+from pollux_launch.tuning.hooks import attach_measurement
+from pollux_launch.tuning.profile import FIELDS, ProfileKey, StepProfile
+from pollux_launch.tuning.progress import StatisticalProgress, progress_gain
 
 # --- StepProfile ------------------------------------------------------------------------
 

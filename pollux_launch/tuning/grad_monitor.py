@@ -13,7 +13,7 @@ host-device synchronisation; values are folded into the estimator in batches):
 3. once the gradients are averaged: :meth:`~GradientNoiseMonitor.finish_step` (on *every*
    synchronising step, measured or not: it keeps the replicas' schedules in step).
 
-:func:`pollux_launch.agent.hooks.attach_measurement` drives this from autograd hooks for
+:func:`pollux_launch.tuning.hooks.attach_measurement` drives this from autograd hooks for
 torch DDP (or a single process); other adapters (Horovod, DeepSpeed) can call it directly.
 
 Cost control. Measuring costs about two passes over the gradients. The monitor times its

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pollux_launch.agent.hooks import attach_measurement
+from pollux_launch.tuning.hooks import attach_measurement
 
 D, M0, LOCAL_BSZ, STEPS = 16, 16, 8, 400
 # (accumulation steps, overhead budget): every step measured, with DDP no_sync

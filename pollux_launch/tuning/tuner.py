@@ -1,4 +1,4 @@
-"""PolluxAgent: the per-job brain inside the workers (Pollux Sec. 3-4.1).
+"""GoodputTuner: the per-job brain inside the workers - Pollux's PolluxAgent (Sec. 3-4.1).
 
 Framework adapters feed it measurements (``StepProfile`` for step times, a
 ``GradientNoiseMonitor`` for gradient statistics, ``StatisticalProgress``) and ask it
@@ -15,11 +15,13 @@ three things:
   seconds by rank 0, for the coordinator.
 
 The throughput model is refitted from the profile at most once per ``fit_interval`` and
-only when the profile changed; between fits the last fit is reused.
+only when the profile changed; between fits the last fit is reused, and so is it when a
+refit fails (bad observations, numeric trouble: logged once per kind of failure).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .. import keys
-from ..goodput import GoodputFunction, PerfParams, fit_perf_params, scale_lr
+from ..goodput import GoodputFunction, GridCache, PerfParams, fit_perf_params, scale_lr
 from ..messages import JobHints, encode
 from .gns import GradNoise
 from .profile import StepProfile
@@ -37,9 +39,11 @@ from .progress import StatisticalProgress
 
 ADAM_LIKE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adafactor", "LAMB", "Lamb")
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
-class AgentConfig:
+class TunerConfig:
     """What the job allows (validated up front; errors are one line)."""
 
     init_batch_size: int
@@ -70,10 +74,10 @@ def default_lr_rule(optimizer: Any) -> str:
     return "sqrt" if type(optimizer).__name__ in ADAM_LIKE else "adascale"
 
 
-class PolluxAgent:
+class GoodputTuner:
     def __init__(
         self,
-        config: AgentConfig,
+        config: TunerConfig,
         profile: StepProfile,
         grad_stats: Callable[[], GradNoise | None],
         progress: StatisticalProgress,
@@ -85,6 +89,8 @@ class PolluxAgent:
         self._fitted_at = -math.inf
         self._fitted_len = -1
         self._last_report = -math.inf
+        self._fit_errors: set[tuple[str, str]] = set()  # (type, first line) already logged
+        self._grids: GridCache = {}  # candidate (m, s) grids: shared by all this job's fits
 
     # -- the model -------------------------------------------------------------------
     def perf_params(self, refit: bool = True) -> PerfParams | None:
@@ -97,16 +103,29 @@ class PolluxAgent:
             inputs = self.profile.fit_inputs()
             try:
                 self._perf = fit_perf_params(**inputs)
-            except ValueError:
-                pass  # e.g. too few observations yet: keep the previous fit
+            except (ValueError, ArithmeticError) as exc:  # bad observations, numeric trouble
+                self._fit_failed(exc)  # the previous fit stands
             self._fitted_at, self._fitted_len = now, len(self.profile)
         return self._perf
+
+    def _fit_failed(self, exc: Exception) -> None:
+        """Log a failed fit once per kind (type and first line): a fit is retried every
+        ``fit_interval``, and the same failure would otherwise fill the log."""
+        first = (str(exc).splitlines() or [""])[0][:300]
+        said = (type(exc).__name__, first)
+        if said in self._fit_errors or len(self._fit_errors) >= 64:
+            return
+        self._fit_errors.add(said)
+        log.warning("throughput-model fit failed (%s: %s); %s", said[0], first,
+                    "keeping the previous fit" if self._perf is not None
+                    else "no model yet: decisions use the default batch")
 
     def goodput_function(self, refit: bool = True) -> GoodputFunction | None:
         perf, grad = self.perf_params(refit), self._grad_stats()
         if perf is None or grad is None:
             return None
-        return GoodputFunction(perf, grad.to_grad_params(), self.config.init_batch_size)
+        return GoodputFunction(perf, grad.to_grad_params(), self.config.init_batch_size,
+                               grid_cache=self._grids)
 
     # -- decisions -------------------------------------------------------------------
     def default_batch(self, num_replicas: int) -> tuple[int, int]:

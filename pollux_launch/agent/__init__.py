@@ -1,1 +1,0 @@
-"""agent (see README.md)."""

@@ -1,0 +1,552 @@
+"""``ElasticController``: the step boundary of an elastic job, for every framework adapter.
+
+The torch ``ElasticTrainer``, DeepSpeed's ``ElasticDeepSpeed`` and Horovod's
+``HorovodControl`` each drive one controller. What is specific to a framework lives
+behind :class:`FrameworkHooks`; the group it runs on behind :class:`Collectives`; how
+the group changes behind :class:`Membership` (pollux's rendezvous - Horovod re-forms its
+groups itself and passes none).
+
+Protocol, identical on every replica. ``after_step(batch_size)`` follows every optimiser
+step: it counts the step and its statistical progress (Pollux Sec. 3.1), then
+
+1. SIGTERM seen (only with a checkpoint directory): rank 0 writes a final checkpoint and
+   the worker ends by that same signal;
+2. a decision broadcast a due checkpoint: every rank captures its state (a collective
+   for ZeRO partitions) and rank 0 writes it in the background;
+3. every ``check_every`` steps (about 50 ms of training) the replicas vote - one 4-byte
+   all-reduce - on re-forming; a rank votes yes when its rendezvous saw a new allocation
+   (for a grow: once the newcomers registered, at most ``grow_grace`` later), a newer
+   round or a dead peer. Then: ``hooks.capture`` on the old group, the next round (a
+   worker not in it leaves with exit status 0), ``hooks.rebuild`` on the new one
+   (newcomers receive the state, this controller's included), a forced decision;
+4. every ``decide_every`` steps, or when the group's size changed underneath (a Horovod
+   reset that only removed workers): a decision.
+
+A decision: rank 0 refits the throughput model when due, picks the per-GPU batch m and
+accumulation steps s for the allocation (Pollux Eqn 13), the LR factor of the total batch
+``K m (s+1)`` (AdaScale, or the configured rule), the vote interval and whether a
+checkpoint is due, and reports the job's hints when due (after the first step of a new
+round, never inside its pause). One broadcast of a :class:`Decision`; every rank applies
+it, and every rank uses rank 0's LR factor until the next decision.
+
+A collective that fails because a peer died (:func:`~.failures.is_peer_failure`) makes
+the survivors form a failure round and take rank 0's state (``recover``); the step in
+flight is dropped. A fresh round - every member new: the job's start, or all its workers
+died - resumes from the newest checkpoint when the job has a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from pollux_launch import env as envvars
+from pollux_launch.tuning.gns import GradNoise
+from pollux_launch.tuning.tuner import GoodputTuner
+
+from .checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint
+from .failures import first_line, is_peer_failure
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+VOTE_PERIOD_S = 0.05  # vote about every 50 ms of training: cheap, rescales start promptly
+
+
+class LeaveJob(SystemExit):
+    """This worker is not in the job's new round: it ends with status 0."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What rank 0 decided, applied by every rank at the same step boundary."""
+
+    local_bsz: int
+    accum_steps: int
+    check_every: int
+    lr_factor: float
+    checkpoint: bool = False
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.local_bsz, self.accum_steps, self.check_every,
+                             self.lr_factor, float(self.checkpoint)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> Decision:
+        m, s, check, factor, ckpt = (float(v) for v in t.cpu().tolist())
+        if not (m >= 1 and s >= 0 and check >= 1 and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"malformed decision from rank 0: {t.tolist()}")
+        return cls(int(m), int(s), int(check), factor, ckpt > 0)
+
+
+class Collectives(Protocol):
+    """The current group as the controller sees it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    def broadcast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Rank 0's ``tensor`` (CPU) on every rank (returned; may be ``tensor`` itself)."""
+        ...
+
+
+class Membership(Protocol):
+    """How the job's group changes: pollux's rendezvous (``adapters.torch.job.ElasticJob``)."""
+
+    @property
+    def elastic(self) -> bool: ...
+
+    @property
+    def name(self) -> str | None: ...
+
+    @property
+    def store(self) -> Any: ...
+
+    def rescale_due(self) -> bool:
+        """Collective: True on every rank when any rank saw a reason to re-form."""
+        ...
+
+    def next_round(self) -> Any:
+        """Enter the next round (raises ``WorkerRemoved`` when not in it)."""
+        ...
+
+    def credit_resumed(self, progress: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FrameworkHooks(Protocol):
+    """What an adapter does for the controller (all ranks call each at the same point)."""
+
+    def batch(self) -> tuple[int, int]:
+        """``(m, s)`` in force: per-GPU micro-batch and accumulation steps (s + 1 micro-
+        batches per optimiser step)."""
+        ...
+
+    def apply_batch(self, m: int, s: int) -> None:
+        """Use ``(m, s)`` from the next optimiser step on."""
+        ...
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Multiply the LR by ``factor`` inside every optimiser step from now on."""
+        ...
+
+    def grad_stats(self) -> GradNoise | None:
+        """The gradient statistics now (same on every rank; may flush a monitor)."""
+        ...
+
+    def capture(self, controller_state: dict[str, Any]) -> Any:
+        """On the old group, before it is left: what ``rebuild`` needs (DeepSpeed: the
+        consolidated engine state; DDP: nothing)."""
+        ...
+
+    def rebuild(self, captured: Any, controller_state: dict[str, Any], from_rank0: bool
+                ) -> dict[str, Any] | None:
+        """On the new group: rebuild the engine or wrapper. With ``from_rank0`` every rank
+        takes rank 0's state; else survivors keep theirs and newcomers receive it.
+        Returns the controller state received (None where this rank kept its own)."""
+        ...
+
+    def leave(self) -> None:
+        """This worker leaves the job: remove hooks (the group is gone already)."""
+        ...
+
+    def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
+                         ) -> dict[str, Any] | None:
+        """The durable state (tensors, numbers, strings, lists, dicts); ``collective``
+        False: without collectives (None if that is impossible, e.g. ZeRO partitions)."""
+        ...
+
+    def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """Rank 0, fresh round: load a checkpoint; returns (what ``rebuild`` takes with
+        ``from_rank0``, the controller state in it)."""
+        ...
+
+
+class HintsReporter:
+    """Rank 0's path for the job's hints to the store (Pollux Sec. 4.1's reports).
+
+    ``store``: a callable returning the store (or None: nothing is reported); a store
+    that cannot be reached is logged once per outage and tried again at the next report.
+    """
+
+    def __init__(self, store: Callable[[], Any], job: str | None) -> None:
+        self._store, self.job = store, job
+        self._failing = False
+
+    @classmethod
+    def from_env(cls) -> HintsReporter:
+        """The store named by pollux-run's environment (opened lazily, once)."""
+        opened: list[Any] = []
+
+        def store() -> Any:
+            if not opened and os.environ.get(envvars.STORE):
+                from pollux_launch.rendezvous.store import StoreError
+
+                try:
+                    opened.append(envvars.store_from_env())
+                except StoreError as exc:
+                    log.warning("no hints: cannot open the store (%s)", first_line(exc))
+                    opened.append(None)
+            return opened[0] if opened else None
+
+        return cls(store, os.environ.get(envvars.JOB))
+
+    def report(self, tuner: GoodputTuner, hints: Callable[[], Any]) -> None:
+        from pollux_launch.rendezvous.store import StoreError
+
+        store = self._store()
+        if store is None or not self.job:
+            return
+        try:
+            tuner.report(store, self.job, hints())
+            if self._failing:
+                log.info("hints reported again")
+            self._failing = False
+        except StoreError as exc:  # the store may be away for a while: training goes on
+            if not self._failing:
+                log.warning("could not report hints (%s); training goes on", first_line(exc))
+            self._failing = True
+
+
+class ElasticController:
+    """Drives one job's step boundaries (module docstring).
+
+    ``loader``: a pollux ``AdaptiveDataLoader`` (its position travels with the state and
+    its batch follows decisions), or None; ``adapt_lr``: False keeps the LR factor at 1.
+    """
+
+    def __init__(self, hooks: FrameworkHooks, tuner: GoodputTuner, group: Collectives, *,
+                 membership: Membership | None = None, reporter: HintsReporter | None = None,
+                 loader: Any = None, decide_every: int = 20, adapt_lr: bool = True,
+                 checkpoints: CheckpointWriter | None = None) -> None:
+        if decide_every < 1:
+            raise ValueError(f"decide_every must be >= 1, got {decide_every}")
+        self.hooks, self.tuner, self.group = hooks, tuner, group
+        self.membership, self.reporter, self.loader = membership, reporter, loader
+        self.decide_every, self.check_every = decide_every, 1
+        self.adapt_lr = adapt_lr
+        self.checkpoints = checkpoints
+        self.steps = 0  # optimiser steps of the job (travels with the state)
+        self.resets = 0  # new groups the job went through (travels with the state)
+        self.lr_factor = 1.0
+        self.resumed_from: float | None = None  # the checkpoint's progress, if one was loaded
+        self.rescales: list[dict[str, Any]] = []  # timings of re-forms (benchmarks, logs)
+        self._grad: GradNoise | None = None
+        self._decided_size = 0
+        self._report_pending = False
+        self._open_rescale: dict[str, Any] | None = None
+        self._terminating = False
+        if checkpoints is not None:
+            self._catch_sigterm()
+
+    @property
+    def grad(self) -> GradNoise | None:
+        """The gradient statistics of the last decision (what the tuner sees)."""
+        return self._grad
+
+    @property
+    def elastic(self) -> bool:
+        return self.membership is not None and self.membership.elastic
+
+    # -- state that travels with the job -------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"v": STATE_VERSION, "tuner": self.tuner.state_dict(), "steps": self.steps,
+                "resets": self.resets, "lr_factor": self.lr_factor,
+                "loader": self.loader.state_dict() if self.loader is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("v") != STATE_VERSION:
+            raise ValueError("elastic controller state: unexpected format")
+        self.tuner.load_state_dict(state["tuner"])
+        self.steps, self.resets = int(state["steps"]), int(state["resets"])
+        self.lr_factor = float(state["lr_factor"])
+        if self.loader is not None and state.get("loader") is not None:
+            self.loader.load_state_dict(state["loader"])
+
+    # -- the user's view ----------------------------------------------------------------
+    def epochs(self, total: float) -> Iterator[int]:
+        """Data epochs until ``total`` statistical epochs are done (the same training
+        whatever batch sizes were used); resumes where the job stands."""
+        if self.loader is None:
+            raise ValueError("epochs() follows a pollux AdaptiveDataLoader; none was given")
+        self.loader.statistical_epochs = True
+        while self.tuner.progress.epochs() < total:
+            yield self.loader.epoch
+
+    # -- start and new groups -------------------------------------------------------------
+    def start(self, fresh: bool, sync: bool) -> None:
+        """The first round of this process: ``fresh`` - no member carries state (resume
+        from a checkpoint if there is one); ``sync`` - newcomers must receive state."""
+        resumed = self._resume() if fresh else None
+        captured = None
+        if resumed is not None:
+            captured, state = resumed
+            self.load_state_dict(state)
+        self._rebuild(captured, from_rank0=resumed is not None or sync)
+        self.enter_round()
+
+    def enter_round(self) -> None:
+        """After a new group formed (or Horovod's sync): follow it, decide for it."""
+        if self.loader is not None:
+            self.loader.set_replicas(self.group.rank, self.group.world_size)
+        self.resets += 1  # (the first is the start)
+        self.decide(force=True)
+
+    def _rebuild(self, captured: Any, from_rank0: bool) -> None:
+        received = self.hooks.rebuild(captured, self.state_dict(), from_rank0)
+        if received is not None:
+            self.load_state_dict(received)
+
+    # -- step boundaries ------------------------------------------------------------------
+    def after_step(self, batch_size: int) -> None:
+        """After every optimiser step, on every rank: count it, then the boundary."""
+        self.count_step(batch_size)
+        self.boundary()
+
+    def count_step(self, batch_size: int) -> None:
+        """Count an optimiser step of ``batch_size`` samples (for adapters whose boundary
+        comes later, e.g. when the loader fetches the next batch)."""
+        self.steps += 1
+        self.tuner.progress.step(batch_size, self._grad)
+        if self._open_rescale is not None:  # the first step after a re-form is done
+            self._open_rescale["pause_to_step_s"] = (time.perf_counter()
+                                                     - self._open_rescale["t0"])
+            self._open_rescale = None
+        if self._report_pending:
+            self._report_pending = False
+            self._report(force=True)
+
+    def boundary(self) -> None:
+        """The step boundary proper (module docstring, 1-4): every rank, same step."""
+        if self._terminating:
+            self._terminate()
+        try:
+            if (self.elastic and self.steps % self.check_every == 0
+                    and self.membership.rescale_due()):  # type: ignore[union-attr]
+                self.rescale()
+            elif self.group.world_size != self._decided_size:
+                self.enter_round()  # resized underneath (Horovod): a new group all the same
+            elif self.steps % self.decide_every == 0:
+                self.decide(force=False)
+        except RuntimeError as exc:
+            # the step before this boundary completed everywhere: nothing is in flight
+            if not self.recover(exc, in_flight=False):
+                raise
+
+    def rescale(self) -> None:
+        """Re-form the group at this step boundary (every rank of the old group)."""
+        assert self.membership is not None
+        t0 = time.perf_counter()
+        before = self.group.world_size
+        captured = self.hooks.capture(self.state_dict())
+        timing: dict[str, Any] = {"t0": t0, "from": before, "reason": "allocation",
+                                  "captured_s": time.perf_counter() - t0}
+        info = self._next_round()
+        timing["formed_s"] = time.perf_counter() - t0
+        self._rebuild(captured, from_rank0=False)
+        timing["rebuilt_s"] = time.perf_counter() - t0
+        self.enter_round()
+        timing.update(to=self.group.world_size, round=getattr(info, "round", None),
+                      pause_s=time.perf_counter() - t0, done_at=time.time())
+        self._record(timing)
+        log.info("rescaled %d -> %d replicas in %.3f s", before, self.group.world_size,
+                 timing["pause_s"])
+
+    def recover(self, exc: BaseException, in_flight: bool = True) -> bool:
+        """After a collective raised: True if a peer's failure was survived (the job
+        re-formed; with ``in_flight`` the step in flight is dropped), False if ``exc`` is
+        no peer's failure (the caller re-raises)."""
+        if not is_peer_failure(exc):
+            return False
+        if self._terminating:  # peers ended by the same SIGTERM: only our own end is left
+            self._terminate()
+        if not self.elastic:
+            return False
+        log.warning("a collective failed (%s): re-forming the job", first_line(exc))
+        t0, before = time.perf_counter(), self.group.world_size
+        captured = self.hooks.capture(self.state_dict())  # local: the group is broken
+        info = self._next_round()
+        self._rebuild(captured, from_rank0=True)  # survivors may be a step apart
+        if in_flight and self.loader is not None:
+            self.loader.abort_step()
+        self.enter_round()
+        self._record({"t0": t0, "from": before, "to": self.group.world_size,
+                      "round": getattr(info, "round", None), "reason": "failure",
+                      "pause_s": time.perf_counter() - t0, "done_at": time.time()})
+        return True
+
+    def _next_round(self) -> Any:
+        from pollux_launch.rendezvous.protocol import WorkerRemoved
+
+        assert self.membership is not None
+        try:
+            return self.membership.next_round()
+        except WorkerRemoved:
+            log.info("not in the new round: leaving the job")
+            self.hooks.leave()
+            self.membership.close()
+            raise LeaveJob() from None
+
+    def _record(self, timing: dict[str, Any]) -> None:
+        self.rescales.append(timing)
+        self._open_rescale = timing
+
+    # -- decisions ------------------------------------------------------------------------
+    def decide(self, force: bool) -> Decision:
+        """Rank 0 decides and reports; every rank applies the broadcast decision."""
+        g = self.group
+        self._grad = self.hooks.grad_stats()
+        m, s = self.hooks.batch()
+        t = torch.zeros(5, dtype=torch.float64)
+        if g.rank == 0:
+            current = None if force else (m, s)
+            m2, s2 = self.tuner.choose(g.num_nodes, g.world_size, current, refit=not force)
+            factor = (self.tuner.lr_factor(g.world_size * m2 * (s2 + 1)) if self.adapt_lr
+                      else 1.0)
+            due = (not force and self.checkpoints is not None and self.checkpoints.due())
+            t = Decision(m2, s2, self._check_interval(), factor, due).to_tensor()
+            if force:  # a new group: report after its first step, not inside the pause
+                self._report_pending = True
+            else:
+                self._report(force=False, batch=(m2, s2))
+        if g.world_size > 1:
+            t = g.broadcast(t, "pollux.decision")
+        d = Decision.from_tensor(t)
+        self._apply(d, force, (m, s))
+        if d.checkpoint:
+            self._checkpoint(collective=True)
+        return d
+
+    def _apply(self, d: Decision, force: bool, current: tuple[int, int]) -> None:
+        self.check_every = min(self.decide_every, d.check_every)
+        self._decided_size = self.group.world_size
+        self.lr_factor = d.lr_factor
+        self.hooks.set_lr_factor(d.lr_factor)
+        batch = (d.local_bsz, d.accum_steps)
+        if force or batch != current:
+            self.hooks.apply_batch(*batch)
+        if self.loader is not None and (self.loader.local_bsz, self.loader.accum_steps) != batch:
+            self.loader.set_batch_size(*batch)
+
+    def _check_interval(self) -> int:
+        times = self.tuner.profile.arrays()["step_time"]
+        if not len(times):
+            return 1
+        step = max(float(times.mean()), 1e-6)
+        return int(min(self.decide_every, max(1, round(VOTE_PERIOD_S / step))))
+
+    def _report(self, force: bool, batch: tuple[int, int] | None = None) -> None:
+        if self.reporter is None or not (force or self.tuner.report_due()):
+            return
+        g = self.group
+        m, s = batch or self.hooks.batch()
+        self.reporter.report(self.tuner, lambda: self.tuner.hints(
+            g.num_nodes, g.world_size, m, s, restarts=max(0, self.resets - 1)))
+
+    # -- durable state --------------------------------------------------------------------
+    def save_checkpoint(self, wait: bool = True) -> None:
+        """Write a checkpoint now: every rank calls it at the same point (the capture may
+        be a collective), rank 0 writes (``wait``: before returning)."""
+        if self.checkpoints is None:
+            raise ValueError("no checkpoint directory")
+        if wait and self.group.rank == 0:
+            self.checkpoints.flush()
+        self._checkpoint(collective=True, wait=wait)
+
+    def _checkpoint(self, collective: bool, wait: bool = False) -> None:
+        assert self.checkpoints is not None
+        state = self.hooks.checkpoint_state(self.state_dict(), collective)
+        if self.group.rank != 0:
+            return
+        if state is None:
+            log.warning("no checkpoint: this state cannot be captured without its peers")
+            return
+        self.checkpoints.save(state, step=self.steps, progress=self.tuner.progress.iterations,
+                              replicas=self.group.world_size, wait=wait)
+
+    def _resume(self) -> tuple[Any, dict[str, Any]] | None:
+        """Rank 0 loads the newest checkpoint, if there is one; every rank (all of them
+        fresh, all here) learns whether it did (one broadcast). Returns, on rank 0,
+        what ``hooks.rebuild`` takes and the controller state; elsewhere (None, {})."""
+        g = self.group
+        loaded = torch.zeros(1, dtype=torch.float64)
+        found = None
+        if g.rank == 0 and self.checkpoints is not None:
+            try:
+                ckpt = latest_checkpoint(self.checkpoints.directory)
+            except CheckpointError as exc:
+                log.error("not resuming: %s; training starts from scratch", exc)
+                ckpt = None
+            if ckpt is not None:
+                try:
+                    found = self.hooks.restore_checkpoint(ckpt.state)
+                except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                    log.error("not resuming from %s: %s; training starts from scratch",
+                              ckpt.path, first_line(exc))
+                if found is not None:
+                    self.resumed_from = ckpt.progress
+                    loaded[0] = 1
+                    log.warning("resumed from %s (step %d, %.0f iterations of progress, "
+                                "taken on %d replicas)", ckpt.path, ckpt.step, ckpt.progress,
+                                ckpt.replicas)
+                    if self.membership is not None:
+                        self.membership.credit_resumed(ckpt.progress)
+        if g.world_size > 1 and self.checkpoints is not None:
+            loaded = g.broadcast(loaded, "pollux.resume")
+        if not loaded[0]:
+            return None
+        if found is not None:
+            return found
+        return None, self.state_dict()  # (the others take rank 0's in rebuild)
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM ends the worker at its next step boundary, after rank 0 wrote a final
+        checkpoint (only where the script left SIGTERM's default, in the main thread)."""
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+            return
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._terminating = True
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _terminate(self) -> None:
+        if self.group.rank == 0 and self.checkpoints is not None:
+            log.warning("SIGTERM: writing a final checkpoint")
+            self.checkpoints.flush()
+            self._checkpoint(collective=False, wait=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # end as SIGTERM would have ended us
+        time.sleep(60)  # (the signal is delivered before this returns)
+
+
+def checkpoint_writer(directory: str | None, interval: float | None) -> CheckpointWriter | None:
+    """The job's checkpoint writer: the arguments, else pollux-run's ``--checkpoint-dir``
+    and ``--checkpoint-interval`` (through the environment), else none."""
+    directory = directory or os.environ.get(envvars.CHECKPOINT_DIR)
+    if not directory:
+        return None
+    if interval is None:
+        interval = float(os.environ.get(envvars.CHECKPOINT_INTERVAL,
+                                        envvars.DEFAULT_CHECKPOINT_INTERVAL))
+    return CheckpointWriter(directory, every=interval)

@@ -1,0 +1,48 @@
+"""Is this exception a peer's failure? One answer for every adapter.
+
+A collective raises when a peer of its group died, hung past the timeout or had its
+connections cut (``rendezvous/sever.py``). torch reports that by type for NCCL and the
+TCPStore (``torch.distributed.DistError`` and its subclasses ``DistBackendError``,
+``DistNetworkError``, ``DistStoreError``), but gloo (torch 2.13) raises a bare
+``RuntimeError`` whose text names the transport error. So: the type first, then - only
+for a bare ``RuntimeError`` while a process group exists - the message, and that
+fallback is logged (once per kind of message) so that it stays visible.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# what gloo's transport says when a peer went away (torch 2.13's gloo, pair.cc and
+# unbound_buffer.cc): read/write errors, closed or reset connections, timeouts
+_GLOO_WORDS = ("connection", "peer", "gloo", "timed out", "timeout", "broken pipe", "closed",
+               "reset")
+_seen_fallbacks: set[str] = set()
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True if ``exc`` is a collective's failure caused by another member of the group."""
+    if isinstance(exc, dist.DistError):
+        return True
+    if type(exc) is not RuntimeError or not dist.is_initialized():
+        return False
+    text = str(exc).lower()
+    if not any(w in text for w in _GLOO_WORDS):
+        return False
+    kind = first_line(exc)[:60]
+    if kind not in _seen_fallbacks:  # bounded: one entry per distinct message start
+        if len(_seen_fallbacks) < 64:
+            _seen_fallbacks.add(kind)
+        log.info("treating a RuntimeError from the process group as a peer's failure by its "
+                 "message (gloo raises no typed error): %s", first_line(exc))
+    return True
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (no traceback walls in logs)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
