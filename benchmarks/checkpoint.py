@@ -84,12 +84,17 @@ def overhead(seconds: float, blocks: int, interval: float) -> dict:
             plain, ckpt = trainer(None), trainer(folder)
             block(plain), block(ckpt)  # warm-up
             ratios, steps = [], []
-            for i in range(blocks):  # side by side, in pairs (drift cancels)
+            for i in range(blocks):  # side by side in pairs, ABBA (order effects cancel)
                 print(f"  overhead block {i + 1}/{blocks}", file=sys.stderr, flush=True)
-                a = block(plain)
                 done = ckpt.checkpoints.saved
-                b = block(ckpt)
-                ckpt.checkpoints.flush()  # (its write must not spill into the next block)
+                if i % 2:
+                    b = block(ckpt)
+                    ckpt.checkpoints.flush()  # (its write must not spill into plain's block)
+                    a = block(plain)
+                else:
+                    a = block(plain)
+                    b = block(ckpt)
+                    ckpt.checkpoints.flush()
                 if ckpt.checkpoints.saved > done:
                     writes.append(ckpt.checkpoints.write_s)
                     snaps.append(ckpt.checkpoints.snapshot_s)
@@ -159,7 +164,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--block", type=float, default=10.0,
                         help="seconds per overhead block")
-    parser.add_argument("--blocks", type=int, default=7)
+    parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--overhead-interval", type=float, default=5.0,
                         help="checkpoint interval while the overhead is measured (seconds)")
     parser.add_argument("--frameworks", nargs="+", default=["torch", "deepspeed"],
