@@ -1,11 +1,13 @@
 """Horovod Elastic on CPU: a small MLP on scikit-learn's bundled digits (no downloads).
 
-An ordinary Horovod Elastic script (``hvd.elastic.run``, ``hvd.elastic.TorchState``,
-``ElasticSampler``) whose only Pollux change is the ``DistributedOptimizer`` wrapper: it
-is given the loader (whose batch Pollux adapts: ``m * backward_passes_per_step``), and
-the loop splits each batch into ``optimizer.backward_passes_per_step`` micro-batches, as
-Horovod's own examples do. The LR given is the LR at the initial batch size; Pollux
-scales it with the batch (AdaScale for SGD), so there is no ``lr * hvd.size()`` rule::
+An ordinary Horovod Elastic script (``hvd.elastic.run``, ``TorchState``, ``ElasticSampler``)
+whose Pollux changes are two imports: ``TorchState`` is Horovod's plus durable checkpoints
+(``pollux-run --checkpoint-dir``: a job whose workers all died resumes from the last one),
+and the ``DistributedOptimizer`` wrapper is given the loader (whose batch Pollux adapts:
+``m * backward_passes_per_step``), and the loop splits each batch into
+``optimizer.backward_passes_per_step`` micro-batches, as Horovod's own examples do. The
+LR given is the LR at the initial batch size; Pollux scales it with the batch (AdaScale
+for SGD), so there is no ``lr * hvd.size()`` rule::
 
     horovodrun --gloo -np 2 --min-np 1 --max-np 4 --network-interface lo \\
         --host-discovery-script ./discover.sh python examples/horovod_elastic.py
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
-from pollux_launch.adapters.horovod import DistributedOptimizer
+from pollux_launch.adapters.horovod import DistributedOptimizer, TorchState
 
 
 def parse_args() -> argparse.Namespace:
@@ -102,7 +104,7 @@ def main() -> None:
     def on_reset() -> None:  # survivors, after a reset (Pollux re-decides in the sync)
         log("reset")
 
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
+    state = TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
     state.register_reset_callbacks([on_reset])
 
     @hvd.elastic.run

@@ -7,6 +7,8 @@
   and the gradient noise scale (Pollux Sec. 3.1-3.2)
 * :mod:`.control`   ``HorovodControl``: the Pollux agent's batch / accumulation / LR
   decisions on every rank and rank 0's hints to the store
+* :mod:`.state`     ``TorchState``: ``hvd.elastic.TorchState`` plus durable checkpoints
+  (``checkpoint_dir``, or ``pollux-run --checkpoint-dir``)
 * :mod:`.driver`    ``HorovodDriver``: pollux-run's driver of a Horovod job (one horovodrun)
 
 This package imports neither torch nor horovod until ``DistributedOptimizer`` is used, so
@@ -21,7 +23,7 @@ from .command import HOROVOD_INSTALL_HINT, horovod_available, require_horovod
 
 __all__ = [
     "HOROVOD_INSTALL_HINT", "DistributedOptimizer", "HorovodControl", "HorovodMeasurement",
-    "horovod_available", "require_horovod",
+    "TorchState", "horovod_available", "require_horovod",
 ]
 
 
@@ -30,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from . import optimizer
 
         return getattr(optimizer, name)
+    if name == "TorchState":
+        from .state import TorchState
+
+        return TorchState
     if name == "HorovodControl":
         from .control import HorovodControl
 

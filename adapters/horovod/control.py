@@ -128,6 +128,7 @@ class HorovodControl:
         self.tuner: GoodputTuner | None = None  # built at the first sync (needs M0)
         self.controller: ElasticController | None = None
         self.lr_factor = 1.0
+        self._resumed: dict[str, Any] | None = None  # a checkpoint's, for the next sync
 
     # -- what the optimizer calls ----------------------------------------------------------
     def sync(self) -> None:
@@ -136,6 +137,12 @@ class HorovodControl:
         if hvd.rank() == 0 and self.controller is None:
             self._build(self._init_batch_size or hvd.size() * self.local_bsz
                         * (self.accum_steps + 1))
+        if hvd.rank() == 0 and self._resumed is not None:
+            resumed, self._resumed = self._resumed, None
+            assert self.controller is not None
+            m.load_state_dict(resumed["measure"])
+            self.controller.load_state_dict(resumed["control"])
+            self.local_bsz, self.accum_steps = (int(v) for v in resumed["batch"])
         mine = None
         if hvd.rank() == 0:
             assert self.controller is not None and self.tuner is not None
@@ -154,6 +161,21 @@ class HorovodControl:
             self.local_bsz, self.accum_steps = (int(v) for v in state["batch"])
         m.abort_step()
         self.controller.enter_round()
+
+    def durable_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the control (``state.TorchState``): statistics,
+        progress, steps and the batch shape."""
+        assert self.controller is not None
+        return {"control": self.controller.state_dict(),
+                "measure": self.measurement.state_dict(),
+                "batch": [self.local_bsz, self.accum_steps]}
+
+    def resume_from(self, state: dict[str, Any]) -> None:
+        """Rank 0, before the job's first sync: take a checkpoint's ``durable_state``
+        (applied, then broadcast, by that sync)."""
+        if not isinstance(state, dict) or not {"control", "measure", "batch"} <= set(state):
+            raise ValueError("not a pollux Horovod control state")
+        self._resumed = state
 
     def after_step(self) -> None:
         """All ranks, after every optimiser step."""
@@ -266,8 +288,10 @@ class _HorovodHooks:
     def leave(self) -> None:
         pass
 
+    # Durable state is written where Horovod commits it, by ``state.TorchState`` (which
+    # holds the model and the script's values); the controller gets no writer here.
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool) -> None:
-        return None  # Horovod's TorchState holds the model: commit() it to your own storage
+        return None
 
     def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        raise ValueError("Horovod jobs keep no pollux checkpoint")
+        raise ValueError("a Horovod job resumes through pollux's TorchState")
