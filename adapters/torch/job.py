@@ -13,6 +13,7 @@ read them see the truth.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass
@@ -145,6 +146,11 @@ def init(backend: str | None = None, config: RendezvousConfig | None = None) -> 
         config = config or RendezvousConfig(backend=backend)
         rdzv = Rendezvous.from_env(config)
         job = ElasticJob(rdzv, backend)
+        # a worker that ends leaves the job before the interpreter tears down: its watcher
+        # and keep-alive threads stop, its lease is revoked and its group destroyed while
+        # everything they use still exists (a daemon thread touching the store during
+        # finalisation can kill the process by a signal, which its agent takes for lost)
+        atexit.register(job.close)
         rdzv.await_newcomers()  # the allocation's other newcomers, so survivors pause once
         job.next_round()
     else:
