@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--config", default=str(Path(__file__).with_name("ds_config.json")))
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--target", type=float, default=0.9, help="validation accuracy goal")
+    parser.add_argument("--local_rank", type=int, default=-1,
+                        help="passed by the deepspeed launcher and by pollux-run")
     opts = parser.parse_args()
     _single_process_env()
 

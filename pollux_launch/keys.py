@@ -9,6 +9,7 @@
     jobs/<job>/hints              JobHints, refreshed by the job's rank-0 agent
     jobs/<job>/allocation         Allocation (version, nodes, leadership term), by the coordinator
     jobs/<job>/restarts           JobRestarts: restarts after all workers died, progress lost
+    jobs/<job>/generation         JobGeneration: a restart-elastic job's restarts, their cost
     jobs/<job>/rdzv/...           the job's rendezvous rounds (rendezvous/README.md)
     jobs/<job>/tasks/<task>       WorkerTask: a Horovod worker the job's launcher asks a node for
     jobs/<job>/exits/<task>       TaskExit, written by the node agent that ran the task

@@ -22,6 +22,8 @@ Who writes what (key schema in ``rendezvous/README.md``):
   (``pollux-run`` or a node agent when workers exit, ``pollux-run cancel``).
 * ``JobRestarts`` - how often the job started again after all its workers died, and the
   progress lost (the rendezvous' rank 0).
+* ``JobGeneration`` - a restart-elastic job's restarts after a failure (torchrun's
+  restart count) and its measured cost of a restart (its node agents).
 * ``WorkerTask`` / ``TaskExit`` - a Horovod worker a job's launcher asks a node's agent to
   run, and how it ended (``adapters/horovod/tasks.py``).
 """
@@ -69,6 +71,9 @@ def named(default: Any = dataclasses.MISSING) -> Any:
 _TIME = (0.0, 1e11)  # seconds since the epoch (to year 5138)
 
 
+ELASTICITY = ("live", "restart", "fixed")
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What a job is and how it may be scaled (written once, at submission)."""
@@ -85,6 +90,14 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     submission: str = ""  # random id of this submission (signed with the spec)
     expires: float = within(*_TIME, 0.0)  # agents start nothing of it after (0: never)
+    # how its size may change (ELASTICITY): "live" re-forms in place, "restart" stops and
+    # starts every worker with torchrun's variables, "fixed" never changes
+    elasticity: str = "live"
+    max_restarts: int = within(0, 1_000_000, 0)  # restarts after a failure (torchrun's)
+    stop_grace: float = within(0.0, 3600.0, 30.0)  # SIGTERM -> SIGKILL when restarting
+    # its script uses the pollux API, so it will report a goodput model; False: it never
+    # will (a torchrun-style or plain Horovod Elastic script) and takes what is free
+    reports_goodput: bool = True
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -92,6 +105,11 @@ class JobSpec:
         if not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise MessageError("JobSpec: needs min_replicas <= initial_replicas <= "
                                "max_replicas")
+        if self.elasticity not in ELASTICITY:
+            raise MessageError(f"JobSpec.elasticity must be one of {ELASTICITY}, got "
+                               f"{self.elasticity[:40]!r}")
+        if self.elasticity == "fixed" and self.min_replicas != self.max_replicas:
+            raise MessageError("JobSpec: a fixed job needs min_replicas == max_replicas")
 
 
 @dataclass(frozen=True)
@@ -176,6 +194,7 @@ class NodeInfo:
     address: str = "127.0.0.1"
     timestamp: float = within(*_TIME, 0.0)
     workers: dict[str, int] = within(0, MAX_SLOTS, factory=dict)
+    log_port: int = within(0, 65535, 0)  # where it serves job logs (launcher/logs.py); 0: none
 
     def __post_init__(self) -> None:
         for job in self.workers:
@@ -213,6 +232,30 @@ class JobRestarts:
     lost_progress: float = within(0.0, 1e15, 0.0)
     timestamp: float = within(*_TIME, 0.0)
     resumed: int = within(0, MAX_INT, 0)
+
+
+@dataclass(frozen=True)
+class JobGeneration:
+    """A restart-elastic job's group of workers: ``restarts`` is how often it was started
+    again after a failure (torchrun's ``TORCHELASTIC_RESTART_COUNT``; a new allocation
+    restarts it without counting), raised by compare-and-swap by the node agent that
+    saw the failure, so that one failure seen on many nodes counts once. ``stop_s`` and
+    ``startup_s`` are measured by the node agent of rank 0: how long the old workers took
+    to exit after SIGTERM, and from starting the new rank 0 until its rendezvous port
+    (``MASTER_PORT``) accepted connections - together the cost of one restart that the
+    coordinator charges (the script's own checkpoint loading is not seen from outside)."""
+
+    restarts: int = within(0, MAX_INT, 0)
+    stop_s: float | None = within(0.0, 1e6, None)
+    startup_s: float | None = within(0.0, 1e6, None)
+    timestamp: float = within(*_TIME, 0.0)
+
+    @property
+    def restart_s(self) -> float | None:
+        """The measured cost of one restart, None before anything was measured."""
+        if self.startup_s is None:
+            return None
+        return self.startup_s + (self.stop_s or 0.0)
 
 
 JOB_STATES = ("pending", "running", "succeeded", "failed", "cancelled")

@@ -162,7 +162,8 @@ class HorovodTaskDriver(JobDriver):
     def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
         super().__init__(spec, ctx)
         self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
-                                 output_dir=ctx.output_dir, stdout=ctx.stdout)
+                                 output_dir=ctx.output_dir, stdout=ctx.stdout,
+                                 log_file=ctx.log_file(spec))
         self.values = ValueLog(log)
         _check_hostname(ctx.node.address)
 
@@ -203,7 +204,7 @@ class HorovodTaskDriver(JobDriver):
             env = {**node_env, **task_variables(task.env)}
             if "HOROVOD_GLOO_IFACE" in node_env:  # this node's interface, not the launcher's
                 env["HOROVOD_GLOO_IFACE"] = node_env["HOROVOD_GLOO_IFACE"]
-            self.group.start(task_id, env)
+            self.group.start(task_id, env, label=env.get("HOROVOD_RANK"))
             free_slots -= 1
         return deferred
 

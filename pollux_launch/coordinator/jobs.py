@@ -5,6 +5,18 @@ model yet gets a *prior* speedup that grows linearly up to the replicas it asked
 (``-np``) and is flat beyond, so the policy starts it where the user asked; once the
 agent's hints carry a model, the speedup is Pollux's goodput ratio (Eqn 15 normalisation
 is the policy's job) and the exploration cap bounds how far it may grow.
+
+By kind of elasticity (``JobSpec.elasticity``):
+
+* ``live``: a change costs the policy's delta (``--realloc-delay``);
+* ``restart``: a change costs its measured restart time (``JobGeneration.restart_s``),
+  ``RESTART_PRIOR_S`` before one was measured;
+* ``fixed``: never resized or moved once running (not preemptible).
+
+A job whose script does not use the pollux API (``JobSpec.reports_goodput`` False: a
+torchrun-style script, a plain Horovod Elastic one) never reports a model, so its prior
+grows linearly up to its ``--max-np``: it takes what is free, as torchrun's elastic agent
+and horovodrun's host discovery do.
 """
 
 from __future__ import annotations
@@ -14,10 +26,13 @@ from collections.abc import Callable
 import numpy as np
 
 from ..goodput import GoodputFunction, GradParams, PerfParams, SpeedupFunction, exploration_cap
-from ..messages import Allocation, JobHints, JobSpec
+from ..messages import Allocation, JobGeneration, JobHints, JobSpec
 from ..policy import JobInfo
 
 SpeedupFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+# what a restart is taken to cost before one was measured: Pollux's checkpoint-restart
+RESTART_PRIOR_S = 30.0
 
 
 def prior_speedup(initial_replicas: int) -> SpeedupFn:
@@ -54,12 +69,19 @@ def job_info(
     allocation: Allocation | None,
     now: float,
     speedup_fn: SpeedupFn | None = None,
+    generation: JobGeneration | None = None,
 ) -> JobInfo:
     """The policy's view of one job. ``speedup_fn`` is the caller's memoised
-    ``model_speedup(hints)`` (fitting and memo tables are worth keeping across rounds)."""
+    ``model_speedup(hints)`` (fitting and memo tables are worth keeping across rounds);
+    ``generation``: a restart-elastic job's measured restart cost."""
     max_replicas = spec.max_replicas
+    delay = None
+    if spec.elasticity == "restart":
+        measured = generation.restart_s if generation is not None else None
+        delay = RESTART_PRIOR_S if measured is None else measured
     if speedup_fn is None:
-        speedup_fn = prior_speedup(spec.initial_replicas)
+        speedup_fn = prior_speedup(spec.initial_replicas if spec.reports_goodput
+                                   else spec.max_replicas)
     elif hints is not None:
         cap = max(exploration_cap(hints.max_profiled_replicas), spec.initial_replicas)
         max_replicas = min(max_replicas, cap)
@@ -72,5 +94,6 @@ def job_info(
         restarts=max(0, allocation.version - 1) if allocation else 0,
         min_replicas=spec.min_replicas,
         max_replicas=max(spec.min_replicas, max_replicas),
-        preemptible=spec.preemptible or not running,
+        preemptible=(spec.preemptible and spec.elasticity != "fixed") or not running,
+        realloc_delay=delay,
     )

@@ -49,6 +49,7 @@ import numpy as np
 from .. import keys
 from ..messages import (
     Allocation,
+    JobGeneration,
     JobHints,
     JobSpec,
     JobStatus,
@@ -72,6 +73,7 @@ class _JobView:
     status: JobStatus | None = None
     hints: JobHints | None = None
     allocation: Allocation | None = None
+    generation: JobGeneration | None = None
     hints_revision: int = 0
 
 
@@ -121,7 +123,7 @@ class Coordinator:
             for node in alloc.nodes if alloc else ():
                 if node in names:
                     current[j, names.index(node)] += 1
-        infos = [job_info(v.spec, v.hints, v.allocation, now, self._speedup(n, v))
+        infos = [job_info(v.spec, v.hints, v.allocation, now, self._speedup(n, v), v.generation)
                  for n, v in ((n, jobs[n]) for n in active)]
         placed = {name: jobs[name].allocation for name in active}
         free = [PolicyNode(n.name, _capacity(n, placed)) for n in nodes]
@@ -234,7 +236,8 @@ class Coordinator:
 
     def _read_jobs(self) -> dict[str, _JobView]:
         jobs: dict[str, _JobView] = {}
-        kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation}
+        kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation,
+                 "generation": JobGeneration}
         for kv in self.store.get_prefix(keys.JOBS):
             split = keys.split_job_key(kv.key)
             if split is None or split[1] not in kinds:

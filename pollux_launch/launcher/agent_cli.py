@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None,
                         help="where the agent keeps what outlives it, e.g. the submissions "
                         "it finished (default: ~/.local/state/pollux-launch/agent-NODE)")
+    parser.add_argument("--log-dir", default=None,
+                        help="where the agent keeps its jobs' output, one folder per job, "
+                        "served to `pollux-run logs` (default: STATE_DIR/logs)")
     parser.add_argument("--lease-ttl", type=lease_seconds, default=5.0,
                         help="registration lease (seconds)")
     parser.add_argument("--log-level", default="INFO")
@@ -71,5 +74,6 @@ def run(args: argparse.Namespace) -> int:
     with store:
         NodeAgent(store, node, url, args.store_prefix, secret=secret,
                   output_dir=args.output_filename, lease_ttl=args.lease_ttl,
-                  ifname=args.network_interface, state_dir=state_dir).serve(stop)
+                  ifname=args.network_interface, state_dir=state_dir,
+                  log_dir=args.log_dir or os.path.join(state_dir, "logs")).serve(stop)
     return 0

@@ -1,8 +1,11 @@
 """How a job's processes are run: one interface, one driver per kind of framework.
 
-* ``replicas`` (:class:`ReplicaDriver`; torch, DeepSpeed): one worker process per
-  allocated replica, started by the node agent of the node the allocation names; the
-  workers re-form their group themselves (``pollux_launch.rendezvous``).
+* ``replicas`` (:class:`ReplicaDriver`; live torch and DeepSpeed jobs): one worker
+  process per allocated replica, started by the node agent of the node the allocation
+  names; the workers re-form their group themselves (``pollux_launch.rendezvous``).
+* ``restart`` (:class:`~.restart.RestartDriver`; restart-elastic and fixed torch and
+  DeepSpeed jobs): the same workers, stopped and started again as a whole group on
+  every new allocation or failure, torchrun's way.
 * ``horovod`` (``pollux_launch.adapters.horovod.driver.HorovodDriver``): ONE Horovod
   Elastic driver per job, run where the job was launched (horovodrun's semantics), its
   host list following the job's allocation; with ``horovod-tasks``
@@ -25,6 +28,7 @@ to run processes with, :class:`OptionsError` for ``preflight`` and
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import zlib
@@ -39,7 +43,9 @@ from ..arguments import OptionsError
 from ..messages import MAX_REPLICAS, Allocation, JobSpec, NodeInfo, ValueLog
 from ..rendezvous.network import transport_env
 from ..rendezvous.store import Store
-from .workers import ExitKind, WorkerGroup, classify_exit
+from .frameworks import insert_local_rank
+from .logs import job_log_file
+from .workers import ExitKind, Worker, WorkerGroup, classify_exit
 
 if TYPE_CHECKING:
     from .options import LaunchOptions
@@ -62,11 +68,14 @@ ENV_NODE, ENV_WORKER_ID, ENV_ADDR = envvars.NODE, envvars.WORKER_ID, envvars.ADD
 # side; frameworks not named run as "replicas")
 DRIVERS: dict[str, str] = {
     "replicas": "pollux_launch.launcher.drivers:ReplicaDriver",
+    "restart": "pollux_launch.launcher.restart:RestartDriver",
     "horovod": "pollux_launch.adapters.horovod.driver:HorovodDriver",
     "horovod-tasks": "pollux_launch.adapters.horovod.tasks:HorovodTaskDriver",
 }
 FRAMEWORK_DRIVERS: dict[str, tuple[str, ...]] = {
     "torch": ("replicas",), "deepspeed": ("replicas",), "horovod": ("horovod", "horovod-tasks")}
+# the drivers of jobs that do not re-form live, where they differ from the above
+RESTART_DRIVERS: dict[str, tuple[str, ...]] = {"torch": ("restart",), "deepspeed": ("restart",)}
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,11 @@ class DriverContext:
     runtime_dir: str | None = None  # the agent's private folder (workers' exit files)
     # job -> the store variables of the job's own scoped user ({} where none is needed)
     credentials: Callable[[str], dict[str, str]] | None = None
+    log_dir: str | None = None  # where the node keeps its jobs' output (launcher/logs.py)
+
+    def log_file(self, spec: JobSpec) -> str | None:
+        """The file ``spec``'s output on this node goes to (for ``WorkerGroup``), if any."""
+        return job_log_file(self.log_dir, spec)
 
     def job_env(self, spec: JobSpec) -> dict[str, str]:
         """The ``POLLUX_*`` variables every process of ``spec``'s job gets (with the
@@ -111,6 +125,7 @@ class ProcessExit:
     worker_id: str
     code: int
     kind: ExitKind
+    detail: str = ""  # e.g. "rank 1: RuntimeError: ..." (from torchrun's error file)
 
 
 class JobDriver(ABC):
@@ -165,7 +180,8 @@ class ReplicaDriver(JobDriver):
     def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
         super().__init__(spec, ctx)
         self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
-                                 output_dir=ctx.output_dir, stdout=ctx.stdout)
+                                 output_dir=ctx.output_dir, stdout=ctx.stdout,
+                                 log_file=ctx.log_file(spec))
         self.values = ValueLog(log)  # a bad value is logged once per key and revision
 
     @classmethod
@@ -176,27 +192,83 @@ class ReplicaDriver(JobDriver):
         return alloc.nodes.count(self.ctx.node.name) if alloc else 0
 
     def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
-        import uuid
-
         # every worker not reaped yet counts: one that ended since the agent reaped is
         # judged at the next reap (its job may have completed), never replaced blindly
         running = len(self.group.workers)
         want = self._want(alloc)
         start = min(want, running + max(0, free_slots))
         for local_rank in range(running, start):
-            worker_id = f"{self.ctx.node.name}-{uuid.uuid4().hex[:8]}"
-            extra = {**self.ctx.job_env(self.spec), **self._torch_env(alloc, local_rank),
-                     ENV_WORKER_ID: worker_id}
-            if self.ctx.runtime_dir:
-                extra[envvars.EXIT_FILE] = self._exit_file(worker_id)
-            self.group.start(worker_id, extra)
+            self._start(alloc, local_rank)
         return max(0, want - start)
+
+    def _start(self, alloc: Allocation | None, local_rank: int, restarts: int = 0):
+        """Start the worker of ``local_rank`` in ``alloc`` (torchrun's variables for it)."""
+        import uuid
+
+        worker_id = f"{self.ctx.node.name}-{uuid.uuid4().hex[:8]}"
+        extra = {**self.ctx.job_env(self.spec), **self._torch_env(alloc, local_rank, restarts),
+                 ENV_WORKER_ID: worker_id}
+        if self.ctx.runtime_dir:
+            extra[envvars.EXIT_FILE] = self._exit_file(worker_id)
+            extra["TORCHELASTIC_ERROR_FILE"] = self._error_file(worker_id)
+        command = self.spec.command
+        if self.spec.framework == "deepspeed":  # as the deepspeed launcher passes it
+            command = insert_local_rank(command, local_rank)
+        return self.group.start(worker_id, extra, label=extra.get("RANK"), command=command)
 
     def slots_held(self) -> int:
         return len(self.group.workers)  # (until reaped, an ended worker's slot is not free)
 
     def _exit_file(self, worker_id: str) -> str:
         return os.path.join(self.ctx.runtime_dir or "", f"{worker_id}.exit")
+
+    def _error_file(self, worker_id: str) -> str:
+        return self._exit_file(worker_id) + ".error.json"
+
+    def failed(self, worker: Worker, code: int) -> ProcessExit:
+        """A failed worker's exit: ``rank R`` and, if the script wrote torchrun's error file
+        (``@record``), its error in one line. The file is the worker's: read as untrusted,
+        bounded JSON. A worker whose file records an uncaught exception but that died by a
+        signal ended in its interpreter's teardown (torch 2.13: gloo's threads abort a
+        process that exits with its group still formed): its code is the exception's, 1,
+        as the script's own ``python`` (and torchrun) would report it."""
+        detail = f"rank {worker.label}"
+        message = self._recorded_error(worker.worker_id)
+        if message is not None:
+            detail += ": " + message if message else ""
+            if code < 0:
+                code = 1
+        return ProcessExit(worker.worker_id, code, "failed", detail)
+
+    def _recorded_error(self, worker_id: str) -> str | None:
+        """The error ``@record`` wrote for the worker (\"\" if it has no readable message),
+        None when it wrote none."""
+        if not self.ctx.runtime_dir:
+            return None
+        try:
+            with open(self._error_file(worker_id), "rb") as f:
+                body = json.loads(f.read(65536))
+            message = body["message"]["message"] if isinstance(body["message"], dict) \
+                else body["message"]
+        except OSError:
+            return None  # no error file: the exit code says what there is
+        except (ValueError, KeyError, TypeError):
+            return ""  # written, but not as torchrun writes it
+        return " ".join(message.split())[:200] if isinstance(message, str) else ""
+
+    def first_failures_first(self, ended: list[tuple[Worker, int]]) -> list[tuple[Worker, int]]:
+        """``ended`` in the order the workers ended (their output's end, or their error
+        file if written earlier), as torchrun reports its first failure as the root cause:
+        peers that failed because of it end later."""
+        def ended_at(item: tuple[Worker, int]) -> float:
+            worker = item[0]
+            at = worker.ended_at if worker.ended_at is not None else float("inf")
+            try:
+                return min(at, os.stat(self._error_file(worker.worker_id)).st_mtime)
+            except OSError:
+                return at
+
+        return sorted(ended, key=ended_at) if self.ctx.runtime_dir else ended
 
     def _departed(self, worker_id: str) -> bool:
         """Whether the worker said it left because a new round formed without it (the
@@ -213,10 +285,13 @@ class ReplicaDriver(JobDriver):
             return False
         return said == envvars.EXIT_DEPARTED
 
-    def _torch_env(self, alloc: Allocation | None, local_rank: int) -> dict[str, str]:
-        """torchrun's variables for the allocation a worker starts in, so that a script
-        using plain ``init_process_group("env://")`` runs as under torchrun. Adapted
-        scripts re-read them from each rendezvous round (``adapters.torch.job``)."""
+    def _torch_env(self, alloc: Allocation | None, local_rank: int,
+                   restarts: int = 0) -> dict[str, str]:
+        """torchrun's variables for the allocation a worker starts in (and the group's
+        ``restarts`` after failures), so that a script using plain
+        ``init_process_group("env://")``, ``@record`` or ``TORCHELASTIC_*`` runs as under
+        torchrun. Adapted scripts re-read them from each rendezvous round
+        (``adapters.torch.job``)."""
         if alloc is None:
             return {}
         me = self.ctx.node.name
@@ -228,14 +303,27 @@ class ReplicaDriver(JobDriver):
             info = self.values.read(NodeInfo, kv.key, kv.value, kv.mod_revision) if kv else None
             if info is not None:  # else (gone, or malformed: logged) this node's address
                 master = info.address
+        rank, world = str(before + local_rank), str(alloc.num_replicas)
         return {
-            "RANK": str(before + local_rank), "WORLD_SIZE": str(alloc.num_replicas),
-            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(alloc.nodes.count(me)),
-            "MASTER_ADDR": master,
-            # one port per job and allocation version, the same on every node
-            "MASTER_PORT": str(20000 + zlib.crc32(f"{self.spec.name}/{alloc.version}".encode())
-                               % 20000),
+            "RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(alloc.nodes.count(me)),
+            "GROUP_RANK": str(nodes.index(me)), "GROUP_WORLD_SIZE": str(len(nodes)),
+            "ROLE_NAME": "default", "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world,
+            "MASTER_ADDR": master, "MASTER_PORT": str(self.master_port(alloc, restarts)),
+            "TORCHELASTIC_RESTART_COUNT": str(restarts),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.spec.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.spec.name,
+            # rank 0 hosts the group's store itself (there is no torchrun agent store)
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         }
+
+    def master_port(self, alloc: Allocation, restarts: int = 0) -> int:
+        """One port per job, allocation and restart, the same on every node (a group
+        started again never meets its predecessor's store)."""
+        text = f"{self.spec.name}/{alloc.term}/{alloc.version}/{restarts}"
+        return 20000 + zlib.crc32(text.encode()) % 20000
 
     def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
         ended = self.group.reap()
@@ -245,9 +333,12 @@ class ReplicaDriver(JobDriver):
         # after the new allocation was written, perhaps after the caller's last read
         still_allocated = self._want(allocation()) > len(self.group.alive())
         said = {w.worker_id: self._departed(w.worker_id) for w, _ in ended}
-        return [ProcessExit(w.worker_id, code,
-                            classify_exit(code, still_allocated and not said[w.worker_id]))
-                for w, code in ended]
+        out = []
+        for w, code in self.first_failures_first(ended):
+            kind = classify_exit(code, still_allocated and not said[w.worker_id])
+            out.append(self.failed(w, code) if kind == "failed"
+                       else ProcessExit(w.worker_id, code, kind))
+        return out
 
     def alive(self) -> bool:
         return bool(self.group.alive())
@@ -262,16 +353,19 @@ def replica_limit(spec: JobSpec) -> int | None:
     return None if spec.max_replicas >= MAX_REPLICAS else spec.max_replicas
 
 
-def driver_classes(framework: str) -> list[type[JobDriver]]:
-    """The drivers that run ``framework``'s jobs, the primary one first (unknown
-    frameworks: one worker per replica)."""
+def driver_classes(framework: str, elasticity: str = "live") -> list[type[JobDriver]]:
+    """The drivers that run ``framework``'s jobs of that kind of elasticity, the primary
+    one first (unknown frameworks: one worker per replica)."""
     out = []
-    for driver in FRAMEWORK_DRIVERS.get(framework, ("replicas",)):
+    names = FRAMEWORK_DRIVERS.get(framework, ("replicas",))
+    if elasticity != "live":
+        names = RESTART_DRIVERS.get(framework, names)
+    for driver in names:
         module, _, name = DRIVERS[driver].partition(":")
         out.append(getattr(importlib.import_module(module), name))
     return out
 
 
-def driver_class(framework: str) -> type[JobDriver]:
+def driver_class(framework: str, elasticity: str = "live") -> type[JobDriver]:
     """``framework``'s primary driver (the one ``pollux-run`` preflights)."""
-    return driver_classes(framework)[0]
+    return driver_classes(framework, elasticity)[0]

@@ -1,9 +1,21 @@
-"""Which framework a job uses: given by ``--framework`` or detected from its command.
+"""Which framework a job uses and how it can change size, given by ``--framework`` /
+``--elasticity`` or detected from its command.
 
 Detection reads (never executes) the training script named on the command line: a
 ``horovod`` import means Horovod; a ``deepspeed`` import, a ``--deepspeed``/
 ``--deepspeed_config`` argument or a ds_config JSON argument means DeepSpeed; anything
 else is native torch.
+
+Kinds of elasticity (:func:`detect_elasticity`):
+
+* ``live`` - the script uses pollux-launch's API (an ``import pollux_launch``) or
+  Horovod Elastic (``hvd.elastic``): survivors re-form their group in place;
+* ``restart`` - any other torchrun-style script that may change size: on a new
+  allocation every worker is stopped (SIGTERM, then SIGKILL after a grace period) and
+  started again with the new ``WORLD_SIZE``/``RANK``/... (torchrun's contract); the
+  script resumes from its own checkpoint;
+* ``fixed`` - a job that may not change size (``-np`` without ``--min-np``/``--max-np``
+  and a script that could not re-form live): never resized or moved.
 """
 
 from __future__ import annotations
@@ -15,6 +27,10 @@ from pathlib import Path
 FRAMEWORKS = ("torch", "horovod", "deepspeed")
 
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(horovod|deepspeed)\b", re.MULTILINE)
+_POLLUX = re.compile(r"^\s*(?:import|from)\s+pollux_launch\b", re.MULTILINE)
+_HVD_ELASTIC = re.compile(r"\b(?:hvd|horovod\.torch|horovod)\.elastic\.run\b|"
+                          r"^\s*from\s+horovod\.\w+\.elastic\b|@\s*\w*elastic\.run\b",
+                          re.MULTILINE)
 
 
 def detect_framework(command: Sequence[str], cwd: str | Path = ".") -> str:
@@ -22,17 +38,77 @@ def detect_framework(command: Sequence[str], cwd: str | Path = ".") -> str:
     if any(a.startswith(("--deepspeed", "--ds_config", "--ds-config")) for a in command):
         return "deepspeed"
     found = set()
+    for path in script_files(command, cwd):
+        found.update(_IMPORT.findall(_read(path)))
     for arg in command:
         path = Path(cwd, arg)
-        if arg.endswith(".py") and path.is_file():
-            found.update(_IMPORT.findall(_read(path)))
-        elif arg.endswith(".json") and path.is_file() and '"train_micro_batch_size' in _read(path):
+        if arg.endswith(".json") and path.is_file() and '"train_micro_batch_size' in _read(path):
             found.add("deepspeed")
     if "horovod" in found:
         return "horovod"
     if "deepspeed" in found:
         return "deepspeed"
     return "torch"
+
+
+def script_files(command: Sequence[str], cwd: str | Path = ".") -> list[Path]:
+    """The Python files ``command`` runs: ``*.py`` arguments that exist, and the module of
+    ``python -m MODULE`` when it lies under ``cwd``."""
+    out = [Path(cwd, a) for a in command if a.endswith(".py") and Path(cwd, a).is_file()]
+    if "-m" in command[:-1]:
+        base = Path(cwd, *command[list(command).index("-m") + 1].split("."))
+        out += [p for p in (base.with_suffix(".py"), base / "__main__.py") if p.is_file()]
+    return out
+
+
+def insert_local_rank(command: Sequence[str], local_rank: int) -> list[str]:
+    """``command`` with ``--local_rank=N`` right after its script (or module), as the
+    ``deepspeed`` launcher passes it; unchanged if it already has one."""
+    command = list(command)
+    if any(a.startswith(("--local_rank", "--local-rank")) for a in command):
+        return command
+    at = next((i + 1 for i, a in enumerate(command) if a.endswith(".py")), None)
+    if at is None and "-m" in command[:-1]:
+        at = command.index("-m") + 2
+    if at is None:
+        return command
+    return [*command[:at], f"--local_rank={local_rank}", *command[at:]]
+
+
+def uses_pollux_api(command: Sequence[str], cwd: str | Path = ".") -> bool:
+    """Whether the script imports pollux_launch (then it reports a goodput model)."""
+    return any(_POLLUX.search(_read(path)) for path in script_files(command, cwd))
+
+
+def detect_elasticity(framework: str, command: Sequence[str], cwd: str | Path,
+                      min_np: int, max_np: int, asked: str = "auto") -> tuple[str, str]:
+    """The job's kind of elasticity (one of ELASTICITY) and why, in a few words for the
+    launcher's first line. ``asked``: ``--elasticity`` (``auto``: detected). Raises
+    ``ValueError`` (one line) for a kind this job cannot have."""
+    text = "".join(_read(path) for path in script_files(command, cwd))
+    pollux = uses_pollux_api(command, cwd)
+    hvd_elastic = framework == "horovod" and bool(_HVD_ELASTIC.search(text))
+    resizable = min_np != max_np
+    if asked == "fixed" and resizable:
+        raise ValueError("--elasticity fixed: the job may not change size; drop --min-np/"
+                         "--max-np (or --nnodes MIN:MAX)")
+    if asked == "restart" and framework == "horovod":
+        raise ValueError("--elasticity restart: Horovod jobs re-form live with hvd.elastic "
+                         "(or run fixed); restarting applies to torchrun-style scripts")
+    if asked != "auto":
+        return asked, "as asked by --elasticity"
+    if pollux:
+        return "live", "script uses the pollux API: re-forms in place"
+    if hvd_elastic:
+        return "live", "script uses Horovod Elastic: re-forms in place"
+    if framework == "horovod":
+        if resizable:
+            raise ValueError("this Horovod script does not use hvd.elastic, so it cannot change "
+                             "size: drop --min-np/--max-np, or use hvd.elastic.run")
+        return "fixed", "script does not use Horovod Elastic"
+    if resizable:
+        return "restart", "script does not use the pollux API"
+    return "fixed", "script does not use the pollux API"
 
 
 def ds_config_paths(command: Sequence[str], cwd: str | Path = ".") -> list[Path]:

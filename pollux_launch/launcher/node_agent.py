@@ -68,6 +68,7 @@ from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this mo
     Side,
     driver_classes,
 )
+from .logs import serve_logs
 
 if TYPE_CHECKING:
     from .options import LaunchOptions
@@ -101,11 +102,14 @@ class NodeAgent:
         local: bool = False,
         ifname: str | None = None,
         state_dir: str | None = None,
+        log_dir: str | None = None,
     ) -> None:
         """``sides``: which drivers this agent runs (``"node"``: it registers the node and
         runs per-replica workers; ``"launcher"``: it runs the framework drivers of the
         jobs it launched, ``launch_options`` being their pollux-run flags); ``state_dir``:
-        where the agent keeps what must outlive it (``admission.py``)."""
+        where the agent keeps what must outlive it (``admission.py``); ``log_dir``: where
+        a registered node keeps and serves its jobs' output (``logs.py``)."""
+        self.log_dir = log_dir
         self.store, self.node = store, node  # (the secret lives in self.admission)
         self.store_url, self.store_prefix = store_url, store_prefix
         self.only_jobs, self.output_dir, self.stdout = only_jobs, output_dir, stdout
@@ -115,7 +119,7 @@ class NodeAgent:
         self.runtime_dir = tempfile.mkdtemp(prefix=f"pollux-agent-{node.name}-")
         self.context = DriverContext(store, store_url, store_prefix, node, output_dir, stdout,
                                      launch_options, local, ifname, self.runtime_dir,
-                                     self._credentials)
+                                     self._credentials, log_dir=log_dir)
         self._scoped: dict[str, dict[str, str]] = {}  # job -> its processes' store variables
         self.drivers: dict[tuple[str, Side], JobDriver] = {}  # (job, side) -> its driver
         self.exits: list[tuple[str, str, int]] = []  # (job, worker id, code), for callers
@@ -183,7 +187,7 @@ class NodeAgent:
                 continue
             if spec is None:
                 continue
-            for cls in driver_classes(spec.framework):
+            for cls in driver_classes(spec.framework, spec.elasticity):
                 if cls.side in self.sides:
                     self._drive(cls, spec, status, alloc, spec_text, signature)
         self._publish_workers()
@@ -315,11 +319,6 @@ class NodeAgent:
         return [d for (name, _), d in self.drivers.items() if name == job]
 
     def _reap(self) -> None:
-        for name, deadline in list(self._finishing.items()):
-            if any(d.alive() for d in self._drivers_of(name)) and self.clock() < deadline:
-                continue
-            del self._finishing[name]
-            self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
         for (name, _), driver in list(self.drivers.items()):
             for ended in driver.reap(lambda name=name: self._allocation(name)):
                 self.exits.append((name, ended.worker_id, ended.code))
@@ -328,10 +327,21 @@ class NodeAgent:
                 if ended.kind == "finished":  # the others are finishing too: let them
                     self._finishing.setdefault(name, self.clock() + FINISH_GRACE)
                 elif ended.kind == "failed":
+                    who = f"{ended.detail.partition(':')[0]} ({ended.worker_id} on " \
+                          f"{self.node.name})" if ended.detail else \
+                          f"{ended.worker_id} on {self.node.name}"
+                    why = ended.detail.partition(":")[2].strip()
                     self._set_status(name, JobStatus(
-                        "failed", ended.code, f"{ended.worker_id} on {self.node.name} exited "
-                        f"{ended.code}", self.clock()))
+                        "failed", ended.code, f"{who} exited {ended.code}"
+                        + (f": {why}" if why else ""), self.clock()))
                     driver.stop(grace=5.0)
+        # after reaping: workers that completed the script together end the job in this
+        # pass, not one poll later
+        for name, deadline in list(self._finishing.items()):
+            if any(d.alive() for d in self._drivers_of(name)) and self.clock() < deadline:
+                continue
+            del self._finishing[name]
+            self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
 
     def _allocation(self, job: str) -> Allocation | None:
         kv = self.store.get(keys.job(job, "allocation"))
@@ -382,7 +392,10 @@ class NodeAgent:
 
     # -- the service -----------------------------------------------------------------
     def serve(self, stop: threading.Event) -> None:
-        if self.registers:
+        log_server = None
+        if self.log_dir and self.registers and not self.local:  # (its port in the record)
+            log_server, self.node = serve_logs(self.log_dir, self.node, self.admission.secret)
+        if self.registers and not self._lease:  # (unless the caller registered it first)
             self.register()
         rev = 0
         try:
@@ -400,6 +413,8 @@ class NodeAgent:
                     stop.wait(5.0)
         finally:
             self.drain()
+            if log_server is not None:
+                log_server.stop()
 
     def drain(self) -> None:
         for driver in self.drivers.values():

@@ -7,6 +7,10 @@ is wrong and how to fix it - before anything starts.
 Replica counts: ``-np`` is where the job starts. Without ``--min-np``/``--max-np`` the job
 keeps exactly ``-np`` replicas (as with horovodrun; its batch size still adapts); with
 them, the coordinator moves it anywhere in ``[min-np, max-np]``.
+
+torchrun's form is accepted too (:func:`_torchrun_form`): ``pollux-run --nproc-per-node P
+--nnodes MIN:MAX [--max-restarts K] [-m] [--no-python] SCRIPT ARGS...`` means ``MIN*P`` to
+``MAX*P`` replicas placed by the scheduler, the command ``python -u SCRIPT ARGS...``.
 """
 
 from __future__ import annotations
@@ -28,9 +32,15 @@ from ..arguments import (
     seconds_or_zero,
     slots,
 )
-from ..messages import MAX_REPLICAS
+from ..messages import ELASTICITY, MAX_REPLICAS
 from ..rendezvous.store.cli_args import add_store_arguments, store_options, worker_store_env
-from .frameworks import FRAMEWORKS, detect_framework, ds_config_paths
+from .frameworks import (
+    FRAMEWORKS,
+    detect_elasticity,
+    detect_framework,
+    ds_config_paths,
+    uses_pollux_api,
+)
 from .hosts import Host, HostsError, parse_hostfile, parse_hosts
 
 # horovodrun flags that only make sense for MPI/ssh/LSF launching.
@@ -46,7 +56,35 @@ _UNSUPPORTED = {
     "--ssh-identity-file": "pollux-run starts remote workers through node agents, not ssh: "
     "drop --ssh-identity-file",
     "--disable-cache": "pollux-run keeps no host-check cache; drop --disable-cache",
+    "--host-discovery-script": "pollux-run's hosts are the node agents registered in the "
+    "store: run `pollux-run agent --store etcd://...` on each host (new hosts join live)",
 }
+
+# torchrun flags with no meaning here: the node agents place and start the workers.
+_TORCHRUN_REFUSED = {
+    "--node-rank": "node ranks are assigned by pollux-run's node agents; drop --node-rank",
+    "--master-addr": "the master is the node of rank 0, chosen per allocation; drop "
+    "--master-addr",
+    "--master-port": "the master port is chosen per allocation; drop --master-port",
+    "--local-addr": "each node agent advertises its own address (`pollux-run agent "
+    "--address`); drop --local-addr",
+    "--rdzv-conf": "pollux-run's rendezvous is its store: configure it with --store; drop "
+    "--rdzv-conf",
+    "--role": "a pollux-run job has one role; drop --role",
+    "--log-dir": "use --output-filename DIR (per-rank stdout/stderr) or `pollux-run logs JOB`",
+    "--redirects": "output is always captured and rank-prefixed; use --output-filename DIR "
+    "for per-rank files",
+    "--tee": "output is always captured and rank-prefixed; use --output-filename DIR",
+    "--start-method": "workers are always started as new processes; drop --start-method",
+    "--monitor-interval": "node agents watch their workers continuously; drop "
+    "--monitor-interval",
+    "--local-ranks-filter": "every rank's output is shown rank-prefixed; filter it with "
+    "`pollux-run logs JOB --rank R`",
+    "--run-path": "give the script as the command; drop --run-path",
+}
+# flags that say a command line is torchrun's form (the first word is a script)
+_TORCHRUN_FORM = ("nproc_per_node", "nnodes", "standalone", "module", "no_python",
+                  "rdzv_backend", "rdzv_endpoint", "rdzv_id")
 
 # Horovod tuning flags: passed to Horovod workers as the environment Horovod reads.
 _HOROVOD_ENV_FLAGS = {
@@ -69,7 +107,6 @@ class LaunchOptions:
     min_np: int
     max_np: int
     hosts: tuple[Host, ...] | None
-    host_discovery_script: str | None
     slots_per_host: int
     network_interface: str | None
     start_timeout: float
@@ -91,6 +128,11 @@ class LaunchOptions:
     store_options: dict[str, object] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
     secret_file: str | None = None
+    elasticity: str = "live"  # messages.ELASTICITY
+    elasticity_reason: str = ""  # why, for the launcher's first line
+    max_restarts: int = 0
+    stop_grace: float = 30.0
+    reports_goodput: bool = True  # the script uses the pollux API
 
     @property
     def elastic(self) -> bool:
@@ -114,8 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-H", "--hosts", help="host1:slots,host2:slots - the hosts the job may use")
     g.add_argument("-hostfile", "--hostfile", dest="hostfile",
                    help="file of 'host slots=N' lines")
-    g.add_argument("--host-discovery-script",
-                   help="executable printing 'host[:slots]' lines: the hosts the job may use")
     g.add_argument("--slots-per-host", type=slots, default=None,
                    help="slots of a host listed without a count")
     g.add_argument("--network-interface", "--network-interfaces", dest="network_interface",
@@ -142,6 +182,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--autotune", action="store_true", help="Horovod autotune, passed through")
     g.add_argument("-v", "--version", action="store_true", help="print the version and exit")
 
+    t = p.add_argument_group(
+        "torchrun-compatible", "torchrun's form: pollux-run --nproc-per-node P --nnodes "
+        "MIN:MAX SCRIPT ARGS (the first word is a Python script)")
+    t.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
+                   help="replicas per node: a number, auto, cpu or gpu")
+    t.add_argument("--nnodes", help="nodes N or MIN:MAX (x --nproc-per-node replicas)")
+    t.add_argument("--standalone", action="store_true",
+                   help="this machine only, embedded store (the default)")
+    t.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
+                   default=None, help="restarts of the whole group after a worker fails "
+                   "(restart-elastic and fixed jobs; default 0, as torchrun)")
+    t.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
+                   help="c10d or static: this machine; etcd/etcd-v2: --store etcd://ENDPOINT")
+    t.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+                   help="the etcd endpoint (etcd backends) or this machine")
+    t.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", help="the job name")
+    t.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module")
+    t.add_argument("--no-python", "--no_python", dest="no_python", action="store_true",
+                   help="run SCRIPT as a program, not with python")
+    for flag in _TORCHRUN_REFUSED:
+        p.add_argument(flag, flag.replace("-", "_").replace("__", "--", 1),
+                       dest=_unsupported_dest(flag), nargs="?", const="", help=argparse.SUPPRESS)
+
     x = p.add_argument_group("pollux")
     x.add_argument("--job-name", help="unique job name (default: derived from the command)")
     x.add_argument("--fairness", type=fairness, default=-1.0,
@@ -154,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "penalty; default 10: live rescaling, not checkpoint-restart)")
     x.add_argument("--framework", default="auto", choices=("auto", *FRAMEWORKS),
                    help="training framework (default: detected from the script)")
+    x.add_argument("--elasticity", default="auto", choices=("auto", *ELASTICITY),
+                   help="how the job changes size: live (re-form in place: the pollux API, "
+                   "Horovod Elastic), restart (stop and start every worker with torchrun's "
+                   "variables), fixed (never); default: detected from the script")
+    x.add_argument("--restart-grace", type=seconds_or_zero, default=30.0,
+                   help="seconds between SIGTERM and SIGKILL when a restart-elastic job's "
+                   "workers are stopped (default 30, as torchrun)")
     for flag in _UNSUPPORTED:  # recognised, so that using one gets a reason, not "unknown"
         p.add_argument(flag, dest=_unsupported_dest(flag), nargs="?", const="",
                        help=argparse.SUPPRESS)
@@ -176,7 +246,89 @@ def parse_launch_args(argv: list[str], cwd: str | Path = ".") -> LaunchOptions:
     for flag, why in _UNSUPPORTED.items():
         if getattr(ns, _unsupported_dest(flag)) is not None:
             raise OptionsError(f"{flag} is not supported: {why}")
+    for flag, why in _TORCHRUN_REFUSED.items():
+        if getattr(ns, _unsupported_dest(flag)) is not None:
+            raise OptionsError(f"torchrun's {flag} makes no sense here: {why}")
+    if any(getattr(ns, f) for f in _TORCHRUN_FORM):
+        _torchrun_form(ns)
     return _validate(ns, Path(cwd))
+
+
+def _torchrun_form(ns: argparse.Namespace) -> None:
+    """Rewrite torchrun's flags into ours, in place: replicas from --nnodes x
+    --nproc-per-node, the command from SCRIPT (``python -u``, ``-m``, ``--no-python``),
+    the store from the rendezvous flags, the job name from --rdzv-id."""
+    import sys
+
+    ns.torchrun_form = True
+    mixed = [f for f, v in (("-np", ns.np), ("--min-np", ns.min_np), ("--max-np", ns.max_np),
+                            ("-H", ns.hosts), ("--hostfile", ns.hostfile)) if v]
+    if mixed:
+        raise OptionsError(f"{mixed[0]} is horovodrun's and --nproc-per-node/--nnodes "
+                           "torchrun's: use one form")
+    per_node = _nproc_per_node(ns.nproc_per_node or "1")
+    lo_nodes, hi_nodes = _nnodes(ns.nnodes or "1")
+    ns.np, ns.min_np, ns.max_np = lo_nodes * per_node, lo_nodes * per_node, hi_nodes * per_node
+    if ns.min_np == ns.max_np:  # not elastic: exactly that many, as torchrun
+        ns.min_np = ns.max_np = None
+    backend = (ns.rdzv_backend or "").lower()
+    endpoint = ns.rdzv_endpoint or ""
+    host = endpoint.rsplit(":", 1)[0] if endpoint else ""
+    if ns.standalone and (ns.store or backend or endpoint):
+        raise OptionsError("--standalone runs on this machine with the embedded store: drop "
+                           "--store/--rdzv-backend/--rdzv-endpoint, or drop --standalone")
+    if backend in ("etcd", "etcd-v2"):
+        if not endpoint:
+            raise OptionsError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT")
+        url = f"etcd://{endpoint}"
+        if ns.store and ns.store != url:
+            raise OptionsError(f"--rdzv-endpoint {endpoint} and --store {ns.store} disagree: "
+                               "give one")
+        ns.store = url
+    elif backend not in ("", "c10d", "static"):
+        raise OptionsError(f"--rdzv-backend {ns.rdzv_backend}: use c10d (this machine) or "
+                           "etcd (--rdzv-endpoint HOST:PORT of the cluster's etcd)")
+    elif host and host not in ("localhost", "127.0.0.1", "::1", "[::1]"):
+        raise OptionsError(f"--rdzv-endpoint {endpoint}: pollux-run's rendezvous is its store, "
+                           "not a c10d endpoint; for several machines run `pollux-run agent "
+                           "--store etcd://...` on each and pass --store etcd://...")
+    if ns.rdzv_id and not ns.job_name:
+        ns.job_name = ns.rdzv_id
+    if not ns.command or ns.command == ["--"]:
+        raise OptionsError("no script given; usage: pollux-run --nproc-per-node 2 train.py")
+    script = ns.command[1:] if ns.command[0] == "--" else ns.command
+    if ns.no_python and ns.module:
+        raise OptionsError("--no-python and -m/--module exclude each other (as in torchrun)")
+    if ns.no_python:
+        ns.command = list(script)
+    elif ns.module:
+        ns.command = [sys.executable, "-u", "-m", *script]
+    else:
+        ns.command = [sys.executable, "-u", *script]
+
+
+def _nproc_per_node(text: str) -> int:
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    if text in ("auto", "cpu", "gpu"):
+        from .run import local_slots_default
+
+        gpus = local_slots_default(gpus_only=True)
+        if text == "gpu" and not gpus:
+            raise OptionsError("--nproc-per-node gpu: this machine has no GPU")
+        return gpus if text != "cpu" and gpus else (os.cpu_count() or 1)
+    raise OptionsError(f"--nproc-per-node {text}: give a number, auto, cpu or gpu")
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise OptionsError(f"--nnodes {text}: give N or MIN:MAX (whole numbers)") from None
+    if not 1 <= low <= high:
+        raise OptionsError(f"--nnodes {text}: needs 1 <= MIN <= MAX")
+    return low, high
 
 
 def _unsupported_dest(flag: str) -> str:
@@ -189,25 +341,21 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         raise OptionsError("no command given; usage: pollux-run -np 2 python train.py")
     if shutil.which(command[0]) is None and not (cwd / command[0]).is_file():
         raise OptionsError(f"command {command[0]!r} not found; check the spelling or PATH")
+    if getattr(ns, "torchrun_form", False) and not (ns.module or ns.no_python) \
+            and not (cwd / command[2]).is_file():
+        raise OptionsError(f"script {command[2]!r} not found in {cwd}")
 
     slots_per_host = ns.slots_per_host if ns.slots_per_host is not None else 1
     if slots_per_host < 1:
         raise OptionsError("--slots-per-host must be at least 1")
-    sources = [f for f in ("hosts", "hostfile", "host_discovery_script") if getattr(ns, f)]
-    if len(sources) > 1:
-        raise OptionsError("give only one of -H, --hostfile and --host-discovery-script")
+    if ns.hosts and ns.hostfile:
+        raise OptionsError("give only one of -H and --hostfile")
     try:
         hosts = (parse_hosts(ns.hosts, slots_per_host) if ns.hosts
                  else parse_hostfile(cwd / ns.hostfile, slots_per_host) if ns.hostfile
                  else None)
     except HostsError as exc:
         raise OptionsError(str(exc)) from None
-    if ns.host_discovery_script:
-        script = cwd / ns.host_discovery_script
-        if not (script.is_file() and os.access(script, os.X_OK)):
-            raise OptionsError(
-                f"--host-discovery-script {ns.host_discovery_script}: not an executable file"
-            )
 
     np_, lo, hi = ns.np, ns.min_np, ns.max_np
     for flag, value in (("-np", np_), ("--min-np", lo), ("--max-np", hi)):
@@ -265,12 +413,22 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         )
     if framework == "deepspeed":
         _check_ds_configs(command, cwd)
+    try:
+        elasticity, why = detect_elasticity(framework, command, cwd, lo, hi, ns.elasticity)
+    except ValueError as exc:
+        raise OptionsError(str(exc)) from None
+    max_restarts = ns.max_restarts or 0
+    if max_restarts < 0:
+        raise OptionsError("--max-restarts must be 0 or more")
+    if max_restarts and elasticity == "live":
+        raise OptionsError("--max-restarts: this job re-forms live (its survivors go on when a "
+                           "worker fails); restarts apply to restart-elastic and fixed jobs")
     checkpoint_env = _checkpoint_env(ns, cwd)
     if ns.output_filename:
         _writable_folder("--output-filename", ns.output_filename, cwd)
     return LaunchOptions(
         command=command, np=np_, min_np=lo, max_np=hi, hosts=hosts,
-        host_discovery_script=ns.host_discovery_script, slots_per_host=slots_per_host,
+        slots_per_host=slots_per_host,
         network_interface=ns.network_interface, start_timeout=start_timeout,
         elastic_timeout=ns.elastic_timeout, reset_limit=ns.reset_limit,
         blacklist_cooldown_range=cooldown, output_filename=ns.output_filename,
@@ -280,6 +438,8 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         policy=ns.policy, framework=framework,
         horovod_env=horovod_env, store_options=store_options(ns),
         worker_env={**worker_store_env(ns), **checkpoint_env}, secret_file=ns.secret_file,
+        elasticity=elasticity, elasticity_reason=why, max_restarts=max_restarts,
+        stop_grace=ns.restart_grace, reports_goodput=uses_pollux_api(command, cwd),
     )
 
 
@@ -298,7 +458,9 @@ def _checkpoint_env(ns: argparse.Namespace, cwd: Path) -> dict[str, str]:
 
 
 def _default_job_name(command: tuple[str, ...]) -> str:
-    script = next((Path(a).stem for a in command if a.endswith(".py")), Path(command[0]).name)
+    module = command[command.index("-m") + 1] if "-m" in command[:-1] else None
+    script = module.rpartition(".")[2] if module else next(
+        (Path(a).stem for a in command if a.endswith(".py")), Path(command[0]).name)
     base = re.sub(r"[^a-z0-9\-]+", "-", script.lower()).strip("-") or "job"
     return f"{base[:40]}-{os.getpid()}"
 

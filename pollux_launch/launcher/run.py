@@ -32,21 +32,23 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import IO, TypeVar
 
 from .. import env as envvars
 from .. import keys
 from ..coordinator.service import Coordinator
-from ..messages import JobHints, JobSpec, JobStatus, NodeInfo, ValueLog, encode
+from ..messages import Allocation, JobHints, JobSpec, JobStatus, NodeInfo, ValueLog, encode
 from ..policy import DEFAULT_POLICY, make_policy
 from ..rendezvous.network import advertised_address
 from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
 from ..rendezvous.store.cli_args import DEFAULT_URL
 from . import security
 from .drivers import driver_class
+from .logs import LogFollower
 from .node_agent import NodeAgent
 from .options import LaunchOptions, OptionsError
-from .status import describe_hints
+from .status import describe_allocation, describe_hints, describe_kind
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
@@ -69,27 +71,35 @@ def local_slots(opts: LaunchOptions) -> int:
     return local_slots_default()
 
 
-def local_slots_default() -> int:
-    """This machine's GPUs, or its CPU cores when it has none."""
+# Device files of a GPU driver torch can use (NVIDIA's, AMD's ROCm): without any, the
+# machine has no GPU and pollux-run need not import torch (about 1 s) to count none.
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+
+
+def local_slots_default(gpus_only: bool = False) -> int:
+    """This machine's GPUs, or its CPU cores when it has none (``gpus_only``: 0 then)."""
+    gpus = _gpu_count()
+    return gpus if gpus_only else gpus or os.cpu_count() or 1
+
+
+def _gpu_count() -> int:
+    if not any(os.path.exists(path) for path in GPU_DRIVER_FILES):
+        return 0
     try:
         import torch
 
-        gpus = torch.cuda.device_count()
+        return torch.cuda.device_count()
     except Exception:  # any torch trouble: fall back to CPU slots
-        gpus = 0
-    return gpus or os.cpu_count() or 1
+        return 0
 
 
 def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     """Run the job; returns its exit code. Raises OptionsError / StoreError on bad input."""
     stdout = stdout or sys.stdout
-    driver = driver_class(opts.framework)
+    driver = driver_class(opts.framework, opts.elasticity)
     driver.preflight()  # e.g. Horovod not installed: one line, before anything starts
     url = opts.store or DEFAULT_URL
     local = url.startswith("embedded")
-    if opts.host_discovery_script is not None:
-        raise OptionsError("--host-discovery-script: with pollux-run the hosts are the node "
-                           "agents that registered in the store; start one per host instead")
     slots = local_slots(opts) if local else 0
     if local and opts.min_np > slots:
         raise OptionsError(f"--min-np {opts.min_np} is more than this machine's {slots} slots")
@@ -104,6 +114,8 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
         spec = _spec(opts, local)
         _submit(store, spec, secret, lease)
         submitted = True
+        print(f"[pollux] job {spec.name}: {describe_kind(spec)} ({opts.elasticity_reason})",
+              file=stdout, flush=True)
         if local:
             node = NodeInfo(socket.gethostname(), slots, "127.0.0.1", time.time())
             policy = make_policy(opts.policy or DEFAULT_POLICY, p=opts.fairness,
@@ -113,6 +125,9 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
                               only_jobs={spec.name}, output_dir=opts.output_filename,
                               stdout=stdout, sides=("node", "launcher"), launch_options=opts,
                               local=True)
+            # the node's record first: the coordinator's first round then places the job
+            # at once (a record put after that round costs a second, settled round)
+            agent.register()
             services = [(coordinator.serve, "coordinator"), (agent.serve, "node-agent")]
         elif driver.side == "launcher":  # this process runs the job's driver, no node
             here = NodeInfo(socket.gethostname(), 0, advertised_address(store), time.time())
@@ -122,11 +137,16 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
             services = [(agent.serve, "job-driver")]
         else:
             services = []
+        # cluster mode: node agents run the workers; their output is followed here
+        follower = None if local else LogFollower(store, spec.name, spec.submission, secret,
+                                                  stdout)
+        if follower is not None:
+            services.append((follower.run, "log-follower"))
         for target, name in services:
             thread = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
             thread.start()
             threads.append(thread)
-        return _follow(store, spec.name, opts, stdout)
+        return _follow(store, spec.name, opts, stdout, follower.drain if follower else None)
     finally:
         stop.set()
         for thread in threads:
@@ -152,6 +172,8 @@ def _spec(opts: LaunchOptions, local: bool) -> JobSpec:
         initial_replicas=opts.np, min_replicas=opts.min_np, max_replicas=opts.max_np,
         submit_time=time.time(), workdir=os.getcwd(), env=env,
         submission=uuid.uuid4().hex, expires=time.time() + SPEC_TTL,
+        elasticity=opts.elasticity, max_restarts=opts.max_restarts, stop_grace=opts.stop_grace,
+        reports_goodput=opts.reports_goodput,
     )
 
 
@@ -195,8 +217,10 @@ def _submit(store: Store, spec: JobSpec, secret: bytes | None, lease: int) -> No
         raise OptionsError(f"job {spec.name!r} was just submitted by someone else")
 
 
-def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int:
-    """Print status changes until the job ends; Ctrl-C / SIGTERM cancel it."""
+def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
+            drain: Callable[[], None] | None = None) -> int:
+    """Print status changes until the job ends (then ``drain``: its last output lines);
+    Ctrl-C / SIGTERM cancel it."""
     interrupted: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -216,6 +240,8 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
             try:
                 status = _read(store, keys.job(job, "status"), JobStatus, values)
                 hints = _read(store, keys.job(job, "hints"), JobHints, values)
+                alloc = (_read(store, keys.job(job, "allocation"), Allocation, values)
+                         if opts.elasticity != "live" else None)
                 rev = store.revision()
             except StoreError as exc:  # e.g. etcd restarting: keep following the job
                 if not unreachable:
@@ -228,12 +254,16 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str]) -> int
                 print(f"[pollux] {job}: store reachable again", file=stdout, flush=True)
                 unreachable = False
             if status is not None and status.finished:
+                if drain is not None:
+                    drain()
                 code = status.exit_code if status.exit_code is not None else 1
                 detail = f" ({status.message})" if status.message else ""
                 print(f"[pollux] {job}: {status.state}, exit code {code}{detail}",
                       file=stdout, flush=True)
-                return code
-            line = describe_hints(hints) if hints else "waiting for the first report"
+                return code if code >= 0 else 128 - code  # killed by signal N: 128+N
+            line = (describe_hints(hints) if hints
+                    else describe_allocation(alloc) if opts.elasticity != "live"
+                    else "waiting for the first report")
             if line != last_line:
                 print(f"[pollux] {job}: {line}", file=stdout, flush=True)
                 last_line = line

@@ -1,10 +1,10 @@
 """``pollux-run status [--watch]``: the cluster at a glance.
 
-One table of nodes (slots used / free) and one of jobs (state, GPUs per node, batch
-size = replicas x m x (s+1), statistical efficiency, goodput, speedup over one GPU,
-re-allocations, restarts after all workers died with the progress they lost, age),
-all read from the store - nothing is computed that the store
-does not say, except goodput and efficiency, which follow from the job's hints.
+One table of nodes (slots used / free) and one of jobs (state, kind of elasticity, GPUs
+per node, batch size = replicas x m x (s+1), statistical efficiency, goodput, speedup
+over one GPU, re-allocations, restarts with the progress they lost or what one costs,
+age), all read from the store - nothing is computed that the store does not say,
+except goodput and efficiency, which follow from the job's hints.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import numpy as np
 from .. import keys
 from ..arguments import seconds
 from ..messages import (
+    MAX_REPLICAS,
     Allocation,
+    JobGeneration,
     JobHints,
     JobRestarts,
     JobSpec,
@@ -68,6 +70,25 @@ def describe_hints(hints: JobHints) -> str:
     return " | ".join(parts)
 
 
+def describe_allocation(alloc: Allocation | None) -> str:
+    """The launcher's status line for a job that reports no hints (restart-elastic,
+    fixed): where its current group runs."""
+    if alloc is None or not alloc.nodes:
+        return "waiting for free slots"
+    return (f"replicas {alloc.num_replicas} on {alloc.num_nodes} node(s) "
+            f"(allocation v{alloc.version})")
+
+
+def describe_kind(spec: JobSpec) -> str:
+    """How the job changes size, e.g. ``restart-elastic 1..2 replicas``."""
+    hi = "any" if spec.max_replicas >= MAX_REPLICAS else str(spec.max_replicas)
+    if spec.elasticity == "fixed":
+        return f"fixed at {spec.initial_replicas} replica(s)"
+    span = (f"{spec.min_replicas}..{hi} replicas" if spec.min_replicas != spec.max_replicas
+            else f"{spec.min_replicas} replica(s)")
+    return f"{spec.elasticity}-elastic {span}"
+
+
 def render(store: Store, now: float | None = None) -> str:
     """The status tables as text."""
     now = time.time() if now is None else now
@@ -81,7 +102,7 @@ def render(store: Store, now: float | None = None) -> str:
             bad.append(kv.key)
     jobs: dict[str, dict[str, object]] = {}
     kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation,
-             "restarts": JobRestarts}
+             "restarts": JobRestarts, "generation": JobGeneration}
     for kv in store.get_prefix(keys.JOBS):
         split = keys.split_job_key(kv.key)
         if split and split[1] in kinds:
@@ -99,13 +120,13 @@ def render(store: Store, now: float | None = None) -> str:
         used.update(placed)
         fig = job_figures(hints) if hints else {}
         rows.append([
-            name, state,
+            name, state, spec.elasticity if spec else "-",
             ",".join(f"{n}:{k}" for n, k in sorted(placed.items())) or "-",
             str(fig.get("batch") or "-") if hints else "-",
             _fmt(fig.get("efficiency"), ".2f"), _fmt(fig.get("goodput"), ".0f"),
             _fmt(fig.get("speedup"), ".2f"),
             str(max(0, alloc.version - 1)) if alloc else "0",
-            _restarts(view.get("restarts")),
+            _restarts(view.get("restarts"), view.get("generation"), spec),
             _age(now - spec.submit_time) if spec else "-",
         ])
     node_rows = []
@@ -118,8 +139,8 @@ def render(store: Store, now: float | None = None) -> str:
     out = [_table(["NODE", "SLOTS", "USED", "RUNNING", "FREE"],
                   node_rows or [["(no nodes)", "", "", "", ""]])]
     out.append(_table(
-        ["JOB", "STATE", "GPUS PER NODE", "BATCH", "EFF", "GOODPUT", "SPEEDUP", "REALLOCS",
-         "RESTARTS (LOST)", "AGE"], rows or [["(no jobs)"] + [""] * 9]))
+        ["JOB", "STATE", "KIND", "GPUS PER NODE", "BATCH", "EFF", "GOODPUT", "SPEEDUP", "REALLOCS",
+         "RESTARTS (LOST)", "AGE"], rows or [["(no jobs)"] + [""] * 10]))
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         out.append(f"ignored {len(bad)} malformed store value(s): "
@@ -127,8 +148,15 @@ def render(store: Store, now: float | None = None) -> str:
     return "\n\n".join(out)
 
 
-def _restarts(restarts: JobRestarts | None) -> str:
-    """Restarts after every worker died, with the progress lost (iterations)."""
+def _restarts(restarts: JobRestarts | None, generation: JobGeneration | None,
+              spec: JobSpec | None) -> str:
+    """Restarts after every worker died, with the progress lost (iterations); for a
+    restart-elastic or fixed job, its group's restarts after failures of the most its
+    ``--max-restarts`` allows, and a restart's measured cost."""
+    if spec is not None and spec.elasticity != "live":
+        done = generation.restarts if generation else 0
+        cost = generation.restart_s if generation else None
+        return f"{done}/{spec.max_restarts}" + (f" ({cost:.1f} s each)" if cost else "")
     if restarts is None or not restarts.count:
         return "0"
     return f"{restarts.count} ({restarts.lost_progress:.0f} it)"

@@ -1,8 +1,9 @@
 """Worker processes of one job on one node: start, prefix their output, reap, stop.
 
-Output is prefixed like horovodrun's (``[3]<stdout>:line``) with the worker's index
-(its start order within the job on this node's launcher, equal to its first rank on a
-single node), and optionally also written to ``<output_dir>/<job>/rank.<index>/``.
+Output is prefixed like horovodrun's (``[3]<stdout>:line``) with the worker's rank (the
+``label`` its driver starts it with: the rank it starts in; its start order on this node
+where a driver knows no rank), and optionally also written to
+``<output_dir>/<job>/rank.<label>/``.
 
 A worker's end is classified by :func:`classify_exit`: exit 0 while its replica is still
 allocated means the training script finished; exit 0 after its replica was removed is a
@@ -17,12 +18,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
 from .. import env as envvars
+from .logs import LogSink
 
 ExitKind = Literal["finished", "departed", "lost", "failed"]
 
@@ -40,6 +43,8 @@ class Worker:
     index: int
     worker_id: str
     proc: subprocess.Popen
+    label: str = ""  # what its output lines are prefixed with (its rank)
+    ended_at: float | None = None  # when its output ended: (about) when it exited
     threads: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -62,8 +67,11 @@ class WorkerGroup:
         output_dir: str | None = None,
         stdout: IO[str] | None = None,
         prefix_output: bool = True,
+        log_file: str | os.PathLike | None = None,
     ) -> None:
         self.job, self.command, self.env, self.cwd = job, list(command), dict(env), cwd
+        # the node's copy of the job's output, as printed (served by launcher/logs.py)
+        self.log_sink = LogSink(log_file) if log_file else None
         self.output_dir = Path(output_dir) if output_dir else None
         self.stdout = stdout or sys.stdout
         self.prefix_output = prefix_output
@@ -71,18 +79,22 @@ class WorkerGroup:
         self._next_index = 0
         self._lock = threading.Lock()
 
-    def start(self, worker_id: str, extra_env: Mapping[str, str]) -> Worker:
-        """Start one worker; raises OSError (one line) if the command cannot run."""
+    def start(self, worker_id: str, extra_env: Mapping[str, str], label: str | None = None,
+              command: Sequence[str] | None = None) -> Worker:
+        """Start one worker (``command``: this worker's, if not the group's); ``label``
+        prefixes its output (default: its start order). Raises OSError (one line) if the
+        command cannot run."""
         index = self._next_index
         self._next_index += 1
         env = envvars.without_secrets({**os.environ, **self.env, **extra_env})
         proc = subprocess.Popen(
-            self.command, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+            list(command) if command is not None else self.command, env=env, cwd=self.cwd,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             start_new_session=True,  # so that stop() can signal the worker's whole tree
             preexec_fn=_die_with_parent,
         )
-        worker = Worker(index, worker_id, proc)
+        worker = Worker(index, worker_id, proc, str(index) if label is None else label)
         for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             thread = threading.Thread(target=self._pump, args=(worker, name, pipe), daemon=True)
             thread.start()
@@ -93,7 +105,7 @@ class WorkerGroup:
     def _pump(self, worker: Worker, name: str, pipe: IO[str]) -> None:
         log = None
         if self.output_dir is not None:
-            folder = self.output_dir / self.job / f"rank.{worker.index}"
+            folder = self.output_dir / self.job / f"rank.{worker.label}"
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 log = open(folder / name, "a", buffering=1)
@@ -101,15 +113,21 @@ class WorkerGroup:
                 with self._lock:
                     self.stdout.write(f"[pollux] cannot write {folder / name}: "
                                       f"{exc.strerror or exc}; output to stdout only\n")
-        prefix = f"[{worker.index}]<{name}>:" if self.prefix_output else ""
+        prefix = f"[{worker.label}]<{name}>:" if self.prefix_output else ""
         try:
             for line in pipe:
                 if log is not None:
                     log.write(line)
+                if not line.endswith("\n"):  # a last line: never glued to another rank's
+                    line += "\n"
                 with self._lock:
                     self.stdout.write(prefix + line)
                     self.stdout.flush()
+                    if self.log_sink is not None:
+                        self.log_sink.write(prefix + line)
         finally:
+            if name == "stdout":
+                worker.ended_at = time.time()
             if log is not None:
                 log.close()
 
@@ -123,10 +141,19 @@ class WorkerGroup:
                     thread.join(timeout=1.0)
                 del self.workers[wid]
                 ended.append((worker, code))
+        if ended and not self.workers and self.log_sink is not None:
+            self.log_sink.close()  # (opened again by a later worker's first line)
         return ended
 
     def alive(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.poll() is None]
+
+    def signal(self, sig: int, only: Collection[str]) -> None:
+        """Send ``sig`` to the process groups of the live workers whose ids are in ``only``
+        (without waiting for them)."""
+        for worker in list(self.workers.values()):
+            if worker.worker_id in only and worker.poll() is None:
+                _signal_group(worker.proc, sig)
 
     def stop(self, grace: float = 10.0, only: Collection[str] | None = None) -> None:
         """SIGTERM every worker's process group (or those of the worker ids in ``only``),

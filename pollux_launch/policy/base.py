@@ -34,6 +34,9 @@ class JobInfo:
     min_replicas: int = 0
     max_replicas: int = 1_000_000  # already includes the goodput exploration cap
     preemptible: bool = True  # False: once running, never shrunk, moved or stopped
+    # seconds a change of allocation costs this job (delta of the re-allocation penalty);
+    # None: the policy's own delta
+    realloc_delay: float | None = None
 
 
 @dataclass(frozen=True)

@@ -56,18 +56,25 @@ def fitness(speedups: np.ndarray, p: float = -1.0, eps: float = SPEEDUP_EPS) -> 
 
 
 def reallocation_penalty(
-    age: np.ndarray | float, restarts: np.ndarray | int, delta: float = 30.0
+    age: np.ndarray | float, restarts: np.ndarray | int, delta: np.ndarray | float = 30.0
 ) -> np.ndarray:
     """Speedup factor for a job whose allocation changes: (T - R*delta) / (T + delta).
 
     Clipped at 0. ``T <= 0`` marks a job that has not started yet: its first allocation
-    is not penalised (factor 1).
+    is not penalised (factor 1). ``delta`` may differ per job (:func:`job_delays`).
     """
     age = np.asarray(age, dtype=float)
     restarts = np.asarray(restarts, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         factor = np.maximum(age - restarts * delta, 0.0) / (age + delta)
     return np.where(age <= 0, 1.0, factor)
+
+
+def job_delays(jobs: Sequence[JobInfo], delta: float) -> np.ndarray:
+    """Each job's cost of a re-allocation in seconds: its own (``JobInfo.realloc_delay``,
+    e.g. a restart-elastic job's measured restart time) or the policy's ``delta``."""
+    return np.array([delta if j.realloc_delay is None else j.realloc_delay for j in jobs],
+                    dtype=float)
 
 
 def packed_nodes(num_replicas: np.ndarray | int, slots: Sequence[int]) -> np.ndarray:
@@ -147,7 +154,7 @@ class Objective:
         self.penalty = reallocation_penalty(
             np.array([j.age for j in jobs], dtype=float),
             np.array([j.restarts for j in jobs], dtype=float),
-            delta,
+            job_delays(jobs, delta),
         )
         # Memo of raw speedups [job, nodes, replicas] (NaN: not asked yet). A search
         # evaluates the same few (N, K) per job over and over: after the first

@@ -5,6 +5,7 @@ host name, which resolves to a loopback address on every host - as on many real 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -200,3 +201,50 @@ def test_deepspeed_job_spans_hosts_grows_and_survives_losing_one(net, cluster, t
     assert "ds: succeeded, exit code 0" in cluster.log("ds")
     first = min(records("start"), key=lambda r: r["t"])
     assert {r["pid"] for r in records("step") if r["rank"] == 0} == {first["pid"]}
+
+
+RESTART_WORKER = Path(__file__).with_name("restart_worker.py")
+
+
+def test_restart_elastic_job_spans_hosts_grows_and_restarts_after_losing_one(net, cluster):
+    """A torchrun-style script (no pollux API) under pollux-run's torchrun form: it grows
+    onto a joining host by a restart (GROUP_RANK, MASTER_ADDR of the other host), and
+    when that host is lost its survivor's failure restarts the group (counted against
+    --max-restarts), which goes on alone once the coordinator moved it."""
+    h1, h2 = net.add_host("h1"), net.add_host("h2")
+    cluster.coordinator("--node-grace", "10")
+    cluster.agent("n1", 1, host=h1)
+    cluster.wait(lambda: cluster.store.get(keys.node("n1")), 60, "n1 registered")
+    snap, stop = cluster.tmp / "snap.pt", cluster.tmp / "rs.stop"
+    job = cluster.start("rs", "--store", cluster.url, "--job-name", "rs", "--nnodes", "1:2",
+                        "--nproc-per-node", "1", "--max-restarts", "3", str(RESTART_WORKER),
+                        "--snapshot", str(snap), "--stop-file", str(stop))
+    cluster.wait(lambda: sum(s["world"] == 1 for s in cluster.steps()) >= 10, 120,
+                 "the job training on n1 alone")
+    assert "job rs: restart-elastic 1..2 replicas" in cluster.log("rs")
+
+    cluster.agent("n2", 1, host=h2)
+    cluster.wait(lambda: {s["node"] for s in cluster.steps() if s["world"] == 2} == {"n1", "n2"}
+                 and sum(s["world"] == 2 for s in cluster.steps()) >= 20, 180,
+                 "the job restarted across both hosts")
+    two = [s for s in cluster.steps() if s["world"] == 2]
+    assert {(s["node"], s["group_rank"]) for s in two} == {("n1", 0), ("n2", 1)}
+    assert {s["master"] for s in two} == {h1.address}  # rank 0's host, reached from h2
+    assert min(s["first"] for s in two) > 0  # resumed from the snapshot, not from scratch
+
+    cluster.procs["agent-n2"].kill()  # the host is lost with its worker
+    t_kill = time.time()
+    cluster.wait(lambda: sum(s["world"] == 1 and s["t"] > t_kill for s in cluster.steps()) >= 5,
+                 120, "the survivor restarted alone")
+    cluster.wait(lambda: cluster.allocation("rs") == ("n1",), 60, "rs re-allocated to n1")
+    after = [s for s in cluster.steps() if s["t"] > t_kill]
+    assert max(s["restarts"] for s in after) >= 1  # the lost peer was a failure: counted
+
+    stop.touch()
+    assert job.wait(timeout=120) == 0, cluster.log("rs")[-3000:]
+    assert "rs: succeeded, exit code 0" in cluster.log("rs")
+    rank0 = sorted((s for s in cluster.steps() if s["rank"] == 0), key=lambda s: s["t"])
+    worlds = [s["world"] for s in rank0]
+    assert [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w] == [1, 2, 1]
+    # each restart fell back at most to the last snapshot (every 5 steps)
+    assert all(b["step"] > a["step"] - 6 for a, b in itertools.pairwise(rank0))

@@ -96,3 +96,83 @@ def test_checkpoint_flags_become_the_workers_environment(tmp_path):
     ]:
         with pytest.raises(OptionsError, match=needle):
             parse_launch_args(argv, cwd=tmp_path)
+
+
+# -- torchrun's form and the kinds of elasticity ---------------------------------------
+def test_torchrun_form_means_what_torchrun_means(tmp_path):
+    import sys
+
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\n")
+    o = parse_launch_args(["--nproc-per-node", "2", "--nnodes", "1:3", "--max-restarts", "2",
+                           "train.py", "--lr", "1"], cwd=tmp_path)
+    assert o.command == (sys.executable, "-u", "train.py", "--lr", "1")
+    assert (o.np, o.min_np, o.max_np) == (2, 2, 6)
+    assert (o.elasticity, o.max_restarts) == ("restart", 2)
+    assert o.elasticity_reason == "script does not use the pollux API"
+    o = parse_launch_args(["--nproc_per_node=2", "--standalone", "train.py"], cwd=tmp_path)
+    assert (o.np, o.min_np, o.max_np, o.elasticity) == (2, 2, 2, "fixed")
+    o = parse_launch_args(["--nproc-per-node", "1", "-m", "pkg.train", "--x"], cwd=tmp_path)
+    assert o.command == (sys.executable, "-u", "-m", "pkg.train", "--x")
+    o = parse_launch_args(["--nnodes", "2", "--no-python", "python", "-c", "pass"], cwd=tmp_path)
+    assert o.command == ("python", "-c", "pass") and o.np == 2
+    o = parse_launch_args(["--nproc-per-node", "1", "--rdzv-backend", "etcd",
+                           "--rdzv-endpoint", "10.0.0.1:2379", "--rdzv-id", "exp-1", "train.py"],
+                          cwd=tmp_path)
+    assert (o.store, o.job_name) == ("etcd://10.0.0.1:2379", "exp-1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--nproc-per-node", "2", "-np", "2", "train.py"], "use one form"),
+        (["--nnodes", "3:1", "train.py"], "MIN <= MAX"),
+        (["--nnodes", "a", "train.py"], "give N or MIN:MAX"),
+        (["--nproc-per-node", "two", "train.py"], "a number, auto, cpu or gpu"),
+        (["--nproc-per-node", "1", "missing.py"], "not found"),
+        (["--node-rank", "1", "train.py"], "node ranks are assigned"),
+        (["--master_addr", "h", "train.py"], "makes no sense here"),
+        (["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "far:29400",
+          "train.py"], "pollux-run agent"),
+        (["--standalone", "--store", "etcd://h:1", "train.py"], "--standalone"),
+        (["--host-discovery-script", "d.sh", "python", "train.py"], "node agents registered"),
+        (["--elasticity", "fixed", "--min-np", "1", "--max-np", "2", "python", "train.py"],
+         "may not change size"),
+        (["--max-restarts", "2", "-np", "1", "python", "live.py"], "re-forms live"),
+        (["--min-np", "1", "--max-np", "2", "python", "hvd.py"], "does not use hvd.elastic"),
+    ],
+)
+def test_torchrun_and_elasticity_mistakes_are_one_line(tmp_path, argv, needle):
+    (tmp_path / "train.py").write_text("import torch\n")
+    (tmp_path / "live.py").write_text("import pollux_launch.adapters.torch as pollux\n")
+    (tmp_path / "hvd.py").write_text("import horovod.torch as hvd\nhvd.init()\n")
+    with pytest.raises(OptionsError) as info:
+        parse_launch_args(argv, cwd=tmp_path)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_elasticity_is_detected_from_the_script(tmp_path):
+    (tmp_path / "plain.py").write_text("import torch.distributed as dist\n")
+    (tmp_path / "live.py").write_text("from pollux_launch.adapters import torch as pollux\n")
+    (tmp_path / "hvd.py").write_text(
+        "import horovod.torch as hvd\n@hvd.elastic.run\ndef f(s): pass\n")
+    (tmp_path / "hvdfixed.py").write_text("import horovod.torch as hvd\nhvd.init()\n")
+    cases = {("plain.py", "2"): "restart", ("plain.py", "1"): "fixed",
+             ("live.py", "2"): "live", ("live.py", "1"): "live",
+             ("hvd.py", "2"): "live", ("hvdfixed.py", "1"): "fixed"}
+    for (script, hi), kind in cases.items():
+        o = parse_launch_args(["-np", "1", "--max-np", hi, "python", script], cwd=tmp_path)
+        assert o.elasticity == kind, (script, hi)
+    o = parse_launch_args(["--elasticity", "restart", "-np", "2", "python", "live.py"],
+                          cwd=tmp_path)
+    assert o.elasticity == "restart"
+
+
+def test_deepspeed_scripts_get_local_rank_after_the_script():
+    from pollux_launch.launcher.frameworks import insert_local_rank
+
+    assert insert_local_rank(["python", "-u", "t.py", "--deepspeed_config", "c.json"], 1) == \
+        ["python", "-u", "t.py", "--local_rank=1", "--deepspeed_config", "c.json"]
+    assert insert_local_rank(["python", "-m", "pkg.t", "--x"], 0) == \
+        ["python", "-m", "pkg.t", "--local_rank=0", "--x"]
+    assert insert_local_rank(["python", "t.py", "--local_rank", "3"], 0) == \
+        ["python", "t.py", "--local_rank", "3"]

@@ -1,0 +1,610 @@
+"""Job output where the user is: node agents keep it, serve it, and ``pollux-run`` follows it.
+
+**On disk.** A node agent (``pollux-run agent --log-dir DIR``, default ``<state-dir>/logs``,
+i.e. ``~/.local/state/pollux-launch/agent-NODE/logs``) appends every line its workers of a
+job print to ``DIR/<job>/<submission>.log``, exactly as it prints them (``[rank]<stdout>:``
+prefixed, horovodrun's format) and from the same pump under the same lock, so the order
+across the node's ranks is kept. One file per submission: a new job of a finished one's
+name starts a new file. Files are the agent user's only (0600 in 0700 folders); one file
+stops growing at ``MAX_LOG_BYTES`` (a last line says so).
+
+**Served.** The agent serves that folder over HTTP on its node's address (``NodeInfo.address``)
+at a random free port, advertised as ``NodeInfo.log_port`` in its node record::
+
+    GET /logs/<job>/<submission>?offset=N      ->  200, at most MAX_CHUNK bytes from N;
+                                                   X-Pollux-Offset: N + len(body),
+                                                   X-Pollux-Size: the file's size now
+
+400 for a bad name or offset, 401 for a missing or wrong signature, 403 when refused
+(see below), 404 when the node has no such log, 414 for a long target, 503 when busy.
+Everything received is untrusted: names must be one key level (``keys.NAME``, not ``.``
+or ``..``), the resolved path must lie inside the log folder, a request carries at most
+one query field, at most ``MAX_CLIENTS`` requests run at once and a slow client is cut
+off after ``CLIENT_TIMEOUT`` seconds; an error is answered with a status, never raised.
+
+**Authentication.** With a cluster secret (``--secret-file`` or ``$POLLUX_SECRET``) every
+request carries ``X-Pollux-Auth: <unix time>:<hex HMAC-SHA256>`` over
+``pollux-logs/1``, the method, the node's advertised ``address:port``, the request target
+(path and query) and that time; the agent accepts it within ``CLOCK_WINDOW`` seconds of its
+own clock and compares in constant time. Binding the node's address and port means a
+signature sent to a node record someone forged in the store cannot be replayed to a real
+node. The secret never appears in a URL, a log line, an argument or the store; replies
+are not encrypted (plain HTTP: run it on a network you trust, as the workers' own gloo
+and NCCL traffic already must be).
+*Without a cluster secret* an agent serves its logs to clients on its own machine
+(loopback) only, and refuses others with 403: such a cluster runs whatever is in the
+store, but the logs would otherwise be open to anyone who can reach the port, not just
+to those with store access. Set a secret to read logs across machines.
+
+**Followed.** :class:`LogFollower` reads the job's nodes from the store (``nodes/``
+records with a ``log_port``), polls each for the bytes past what it has printed and prints
+whole lines as they come, optionally only one rank's (``[R]<`` prefix). The submitting
+``pollux-run`` runs one in a thread in cluster mode (local mode prints its in-process
+workers' output itself) and drains it - until no node reports live workers of the job and
+a round brought nothing new - before it prints the job's end. ``pollux-run logs JOB
+[--follow] [--rank R]`` is the same client on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import hmac
+import http.client
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import IO
+from urllib.parse import parse_qs, urlsplit
+
+from .. import keys
+from ..arguments import OptionsError, name
+from ..messages import MAX_INT, MAX_REPLICAS, JobSpec, JobStatus, NodeInfo, ValueLog
+from ..rendezvous.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK = 1 << 20  # bytes per reply
+MAX_LOG_BYTES = 1 << 30  # per job and submission on one node: a runaway job fills no disk
+MAX_TARGET = 1024  # characters of a request target (two names, an offset)
+MAX_CLIENTS = 32  # requests served at once
+CLIENT_TIMEOUT = 10.0  # seconds a client may take to send its request
+CLOCK_WINDOW = 60.0  # seconds a signature's time may differ from the agent's clock
+AUTH_HEADER, OFFSET_HEADER, SIZE_HEADER = "X-Pollux-Auth", "X-Pollux-Offset", "X-Pollux-Size"
+MAX_LINE = 1 << 20  # a longer run without a newline is printed as a line of its own
+FETCH_TIMEOUT = 5.0  # seconds per request to a node
+NODES_EVERY = 2.0  # seconds between reads of the node records
+ABSENT_EVERY = 2.0  # seconds between asks of a node that has no log of the job (yet)
+
+
+def _safe(text: str) -> bool:
+    """One key level that is also a safe file name (``keys.NAME`` allows ``..``)."""
+    return bool(keys.NAME.fullmatch(text)) and text.strip(".") != ""
+
+
+def log_path(log_dir: str | os.PathLike, job: str, submission: str) -> Path:
+    """Where a node keeps ``job``'s output of one submission (``JobSpec.submission``)."""
+    return Path(log_dir) / job / f"{submission or 'output'}.log"
+
+
+def job_log_file(log_dir: str | os.PathLike | None, spec: JobSpec) -> str | None:
+    """The file a node writes ``spec``'s output to; None without a log folder, or for
+    names that are no safe file name (a spec read from the store is untrusted)."""
+    if not log_dir or not _safe(spec.name) or not (spec.submission == ""
+                                                   or _safe(spec.submission)):
+        return None
+    return str(log_path(log_dir, spec.name, spec.submission))
+
+
+# -- on disk ---------------------------------------------------------------------------
+class LogSink:
+    """Appends a job's output lines to its log file: opened at the first line (and again
+    after :meth:`close`), flushed per write so that the server sees each line at once.
+    A file that cannot be written is said once and dropped: the output still reaches the
+    agent's stdout, and the workers' pipes never stall."""
+
+    def __init__(self, path: str | os.PathLike, limit: int = MAX_LOG_BYTES) -> None:
+        self.path, self.limit = Path(path), limit
+        self._file: IO[bytes] | None = None
+        self._size = 0
+        self._broken = False
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        data = text.encode("utf-8", "replace")  # (lone surrogates from odd bytes)
+        with self._lock:
+            if self._broken:
+                return
+            try:
+                if self._file is None:
+                    self._open()
+                assert self._file is not None
+                if self._size + len(data) > self.limit:
+                    self._file.write(f"[pollux] log full at {self.limit} bytes; the rest of "
+                                     "the job's output on this node is not kept\n".encode())
+                    self._file.flush()
+                    self._broken = True
+                    return
+                self._file.write(data)
+                self._file.flush()
+                self._size += len(data)
+            except OSError as exc:
+                log.error("cannot write the job log %s: %s; its output goes to stdout only",
+                          self.path, exc.strerror or exc)
+                self._broken = True
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._file = os.fdopen(fd, "ab")
+        self._size = os.fstat(fd).st_size
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                with contextlib.suppress(OSError):  # (each write was flushed already)
+                    self._file.close()
+                self._file = None
+
+
+# -- authentication --------------------------------------------------------------------
+def _mac(secret: bytes, method: str, where: str, target: str, stamp: str) -> str:
+    text = f"pollux-logs/1\n{method}\n{where}\n{target}\n{stamp}"
+    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_request(secret: bytes, method: str, address: str, port: int, target: str,
+                 now: float) -> str:
+    """The ``X-Pollux-Auth`` value for a request to the node at ``address:port``."""
+    stamp = str(int(now))
+    return f"{stamp}:{_mac(secret, method, f'{address}:{port}', target, stamp)}"
+
+
+def check_request(secret: bytes, header: str | None, method: str, address: str, port: int,
+                  target: str, now: float) -> bool:
+    if not header or len(header) > 100:
+        return False
+    stamp, _, mac = header.partition(":")
+    if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 12) \
+            or abs(int(stamp) - now) > CLOCK_WINDOW:
+        return False
+    return hmac.compare_digest(_mac(secret, method, f"{address}:{port}", target, stamp),
+                               mac)
+
+
+# -- the server ------------------------------------------------------------------------
+class _Reply(Exception):
+    """An answer other than the log's bytes."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    timeout = CLIENT_TIMEOUT
+    server_version = "pollux-logs"
+    sys_version = ""
+
+    def do_GET(self) -> None:
+        try:
+            offset, data, size = self.server.logs.read(self)
+        except _Reply as reply:
+            self._send(reply.status, (reply.message + "\n").encode(), {})
+            return
+        except Exception:  # a bug must answer this request only, never stop the agent
+            log.warning("log request %r failed", self.path[:200], exc_info=True)
+            self._send(500, b"internal error\n", {})
+            return
+        self._send(200, data, {OFFSET_HEADER: str(offset + len(data)), SIZE_HEADER: str(size)})
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("log request from %s: " + format, self.client_address[0], *args)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    logs: LogServer
+
+    def __init__(self, address: tuple[str, int], logs: LogServer) -> None:
+        self.logs = logs
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+    def process_request(self, request, client_address) -> None:  # type: ignore[override]
+        if not self._slots.acquire(blocking=False):  # too many at once: drop this one
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:  # type: ignore[override]
+        # a client that went away mid-reply, or a bug in one request: never the agent's end
+        log.debug("log request from %s failed", client_address[0], exc_info=True)
+
+
+class LogServer:
+    """Serves the job logs under ``log_dir`` (see the module docstring) from a daemon
+    thread, at ``address`` (the node's advertised one) and a random free port."""
+
+    def __init__(self, log_dir: str | os.PathLike, address: str, secret: bytes | None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.root = Path(log_dir).resolve()
+        self.address, self.secret, self.clock = address, secret, clock
+        self._httpd: _HTTPServer | None = None
+        self.port = 0
+
+    def start(self) -> int:
+        """Bind and serve; returns the port. OSError if the address cannot be bound."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._httpd = _HTTPServer((self.address, 0), self)
+        self.port = self._httpd.server_address[1]
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                         name="log-server", daemon=True).start()
+        return self.port
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def read(self, request: BaseHTTPRequestHandler) -> tuple[int, bytes, int]:
+        """(offset, bytes from it, file size) for ``request``; raises ``_Reply``."""
+        target = request.path
+        if len(target) > MAX_TARGET:
+            raise _Reply(414, "request target too long")
+        self._authorise(request, target)
+        parts = urlsplit(target)
+        segments = parts.path.split("/")
+        if len(segments) != 4 or segments[:2] != ["", "logs"]:
+            raise _Reply(404, "not found; GET /logs/<job>/<submission>?offset=N")
+        job, submission = segments[2], segments[3]
+        if not (_safe(job) and _safe(submission)):
+            raise _Reply(400, "bad job or submission name")
+        offset = self._offset(parts.query)
+        path = log_path(self.root, job, submission).resolve()
+        if not path.is_relative_to(self.root):  # e.g. a symbolic link out of the folder
+            raise _Reply(404, "no such log")
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(min(offset, size))
+                data = f.read(MAX_CHUNK) if offset < size else b""
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise _Reply(404, "no such log on this node") from None
+        except OSError as exc:
+            log.warning("cannot read the job log %s: %s", path, exc.strerror or exc)
+            raise _Reply(500, "cannot read that log") from None
+        return offset, data, size
+
+    def _authorise(self, request: BaseHTTPRequestHandler, target: str) -> None:
+        if self.secret is None:
+            try:
+                loopback = ipaddress.ip_address(request.client_address[0]).is_loopback
+            except ValueError:
+                loopback = False
+            if not loopback:
+                raise _Reply(403, "this cluster has no secret: logs are served to this "
+                             "machine only")
+            return
+        header = request.headers.get(AUTH_HEADER)
+        if not check_request(self.secret, header, request.command, self.address, self.port,
+                             target, self.clock()):
+            raise _Reply(401, "missing, wrong or stale signature")
+
+    @staticmethod
+    def _offset(query: str) -> int:
+        try:
+            fields = parse_qs(query, strict_parsing=bool(query), max_num_fields=1)
+        except ValueError:
+            raise _Reply(400, "bad query; the only field is offset=N") from None
+        if set(fields) - {"offset"} or any(len(v) != 1 for v in fields.values()):
+            raise _Reply(400, "bad query; the only field is offset=N")
+        text = fields.get("offset", ["0"])[0]
+        if not (text.isascii() and text.isdigit() and len(text) <= 16 and int(text) <= MAX_INT):
+            raise _Reply(400, "offset must be a whole number of bytes")
+        return int(text)
+
+
+def serve_logs(log_dir: str | os.PathLike, node: NodeInfo,
+               secret: bytes | None) -> tuple[LogServer | None, NodeInfo]:
+    """Start serving ``log_dir`` at ``node``'s address; returns the server and the node
+    record with its ``log_port`` (unchanged, with no server, if it cannot start: the
+    agent runs on, its logs kept on disk)."""
+    server = LogServer(log_dir, node.address, secret)
+    try:
+        port = server.start()
+    except OSError as exc:
+        log.error("node %s: cannot serve job logs at %s (%s); they are kept in %s only",
+                  node.name, node.address, exc.strerror or exc, log_dir)
+        return None, node
+    log.info("node %s: job logs in %s, served at %s:%d%s", node.name, log_dir, node.address,
+             port, "" if secret else " to this machine only (no cluster secret)")
+    return server, replace(node, log_port=port)
+
+
+# -- the client ------------------------------------------------------------------------
+@dataclass
+class _Source:
+    """One node's log of the job, as far as it was printed."""
+
+    offset: int = 0
+    pending: bytes = b""  # the start of a line whose end has not come yet
+    next_ask: float = 0.0  # (monotonic) a node without the log is asked less often
+    said: str = ""  # the problem last reported (each is said once); "" while none
+
+
+class LogFollower:
+    """Prints ``job``'s output (submission ``submission``) from every node that serves
+    some, as it comes; only rank ``rank``'s lines if given. Problems with a node go to
+    ``err`` once each."""
+
+    def __init__(self, store: Store, job: str, submission: str, secret: bytes | None,
+                 out: IO[str], rank: int | None = None, err: IO[str] | None = None,
+                 interval: float = 0.5) -> None:
+        self.store, self.job, self.secret = store, job, secret
+        self.target = f"/logs/{job}/{submission or 'output'}"
+        self.out, self.err = out, err or out
+        self.prefix = None if rank is None else f"[{rank}]<".encode()
+        self.interval = interval
+        self.sources: dict[str, _Source] = {}
+        # the nodes serving logs at the last read (one that went away keeps its offset
+        # in ``sources``: its log may come back with its agent)
+        self.nodes: dict[str, NodeInfo] = {}
+        self.values = ValueLog(log)
+        self._nodes_read = -NODES_EVERY
+        self._store_trouble = False
+        self._behind = False  # a node had more than one round's worth at the last poll
+        self._lock = threading.RLock()  # one poller at a time: nothing printed twice
+        self._finishing = threading.Event()  # drain() asks the running thread to end
+        self._done = threading.Event()
+        self._running = False
+
+    # one round ------------------------------------------------------------------------
+    def poll(self, force: bool = False) -> int:
+        """Ask every node serving logs for what it has past our offset; print the whole
+        lines. Returns the bytes received. ``force``: ask nodes that had no log too (not
+        those that failed: an unreachable one would stall every round)."""
+        with self._lock:
+            self._read_nodes()
+            got, self._behind = 0, False
+            for node in list(self.nodes.values()):
+                src = self.sources.setdefault(node.name, _Source())
+                if time.monotonic() < src.next_ask and (src.said or not force):
+                    continue
+                for _ in range(16):  # a node far behind gets a few chunks, then the next
+                    data = self._fetch(node, src)
+                    got += len(data)
+                    self._emit(src, data)
+                    if len(data) < MAX_CHUNK:
+                        break
+                else:
+                    self._behind = True
+            return got
+
+    def _read_nodes(self) -> None:
+        if time.monotonic() - self._nodes_read < NODES_EVERY:
+            return
+        try:
+            kvs = self.store.get_prefix(keys.NODES)
+        except StoreError as exc:  # the last nodes known serve on
+            if not self._store_trouble:
+                self._say(f"cannot read the nodes from the store ({exc}); still following")
+            self._store_trouble = True
+            return
+        self._nodes_read, self._store_trouble = time.monotonic(), False
+        self.nodes = {}
+        for kv in kvs:
+            info = self.values.read(NodeInfo, kv.key, kv.value, kv.mod_revision)
+            if info is not None and info.log_port:
+                self.nodes[info.name] = info
+
+    def _fetch(self, node: NodeInfo, src: _Source) -> bytes:
+        target = f"{self.target}?offset={src.offset}"
+        headers = {}
+        if self.secret is not None:
+            headers[AUTH_HEADER] = sign_request(self.secret, "GET", node.address,
+                                                node.log_port, target, time.time())
+        conn = http.client.HTTPConnection(node.address, node.log_port, timeout=FETCH_TIMEOUT)
+        try:
+            conn.request("GET", target, headers=headers)
+            reply = conn.getresponse()
+            body = reply.read(MAX_CHUNK + 1)
+            status = reply.status
+            reason = "".join(c for c in body[:200].decode("utf-8", "replace")
+                             if c.isprintable()).strip()  # (what a node says is untrusted)
+        except (OSError, http.client.HTTPException) as exc:
+            self._problem(node, src, f"unreachable ({exc})")
+            return b""
+        finally:
+            conn.close()
+        if status == 404:  # none there (yet)
+            src.next_ask, src.said = time.monotonic() + ABSENT_EVERY, ""
+            return b""
+        if status != 200:
+            why = {401: "the cluster secret is needed and must match the node's "
+                        "(--secret-file or $POLLUX_SECRET)",
+                   403: "the cluster has no secret, so its logs are served to its own "
+                        "machine only"}.get(status, reason)
+            self._problem(node, src, f"refused the log ({status}: {why})")
+            return b""
+        if len(body) > MAX_CHUNK:  # not our server's answer
+            self._problem(node, src, "answered more than it may")
+            return b""
+        src.next_ask, src.said = 0.0, ""
+        src.offset += len(body)
+        return body
+
+    def _problem(self, node: NodeInfo, src: _Source, what: str) -> None:
+        src.next_ask = time.monotonic() + ABSENT_EVERY
+        if src.said != what:
+            src.said = what
+            self._say(f"node {node.name}: {what}")
+
+    def _say(self, what: str) -> None:
+        self.err.write(f"[pollux] logs of {self.job}: {what}\n")
+        self.err.flush()
+
+    def _emit(self, src: _Source, data: bytes, final: bool = False) -> None:
+        if not data and not (final and src.pending):
+            return
+        buf = src.pending + data
+        cut = buf.rfind(b"\n") + 1
+        if final and cut < len(buf):
+            buf, cut = buf + b"\n", len(buf) + 1
+        elif cut == 0 and len(buf) > MAX_LINE:  # never hold an endless line
+            buf, cut = buf + b"\n", len(buf) + 1
+        src.pending = buf[cut:]
+        lines = buf[:cut].splitlines(keepends=True)
+        if self.prefix is not None:
+            lines = [line for line in lines if line.startswith(self.prefix)]
+        if lines:
+            self.out.write(b"".join(lines).decode("utf-8", "replace"))
+            self.out.flush()
+
+    # following ------------------------------------------------------------------------
+    def run(self, stop: threading.Event, until: Callable[[], bool] | None = None) -> None:
+        """Follow until ``stop`` is set (then end at once), or until ``until()`` is true
+        or :meth:`drain` is called (then drain)."""
+        self._running = True
+        try:
+            while not stop.is_set() and not self._finishing.is_set():
+                if until is not None and until():
+                    break
+                if not self.poll():
+                    self._finishing.wait(self.interval)
+            if not stop.is_set():
+                self._drain()
+        finally:
+            self._done.set()
+
+    def drain(self, timeout: float = 15.0) -> None:
+        """Print what is left of the finished job: from the following thread if one
+        runs, else here."""
+        self._finishing.set()
+        if self._running:
+            self._done.wait(timeout + 2 * FETCH_TIMEOUT)
+        else:
+            self._drain(timeout)
+
+    def _drain(self, timeout: float = 15.0) -> None:
+        """Poll until a round brings nothing new and no node record lists live workers
+        of the job (their last lines may still be on the way), for at most ``timeout``
+        seconds; then print any unfinished last line."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._nodes_read = -NODES_EVERY  # (worker counts afresh)
+            if not self.poll(force=True):
+                if not any(n.workers.get(self.job, 0) > 0 for n in self.nodes.values()):
+                    break
+                time.sleep(min(self.interval, 0.25))
+        self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            for src in self.sources.values():
+                self._emit(src, b"", final=True)
+
+    def print_all(self) -> bool:
+        """Print what the nodes have now, no following (a node with more than one
+        round's worth is asked again); whether any node had some."""
+        self.poll(force=True)
+        while self._behind:
+            self.poll(force=True)
+        self._flush()
+        return any(src.offset for src in self.sources.values())
+
+
+# -- pollux-run logs -------------------------------------------------------------------
+def rank_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rank") from None
+    if not 0 <= value < MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"{text} must be a rank from 0 to {MAX_REPLICAS - 1}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..rendezvous.store.cli_args import add_store_arguments
+
+    add_store_arguments(parser)
+    parser.add_argument("job", type=name, help="name of the job")
+    parser.add_argument("--follow", "-f", action="store_true",
+                        help="print output as it comes, until the job has finished")
+    parser.add_argument("--rank", type=rank_number, default=None,
+                        help="only this rank's lines")
+    parser.add_argument("--secret-file", help="cluster secret (or $POLLUX_SECRET)")
+
+
+def run(args: argparse.Namespace, stdout: IO[str] | None = None) -> int:
+    from ..messages import MessageError, decode
+    from ..rendezvous.store.cli_args import open_from_args
+    from . import security
+
+    out = stdout or sys.stdout
+    secret = security.load_secret(args.secret_file)
+    store, _ = open_from_args(args)
+    with store:
+        kv = store.get(keys.job(args.job, "spec"))
+        if kv is None:
+            raise OptionsError(f"no job named {args.job!r} in the store; see "
+                               "`pollux-run status`")
+        try:
+            spec = decode(JobSpec, kv.value)
+        except MessageError as exc:
+            raise OptionsError(f"job {args.job!r} has a malformed spec ({exc})") from None
+        if job_log_file("logs", spec) is None:
+            raise OptionsError(f"job {args.job!r}: its spec's submission id is not a name")
+        follower = LogFollower(store, args.job, spec.submission, secret, out, args.rank,
+                               err=sys.stderr)
+        if args.follow:
+            values = ValueLog(log)
+
+            def finished() -> bool:
+                try:
+                    kv = store.get(keys.job(args.job, "status"))
+                except StoreError:
+                    return False  # (said by the follower's own reads if it persists)
+                status = values.read(JobStatus, kv.key, kv.value, kv.mod_revision) \
+                    if kv is not None else None
+                return kv is None or (status is not None and status.finished)
+
+            follower.run(threading.Event(), until=finished)
+        elif not follower.print_all():
+            serving = len(follower.nodes)
+            print(f"pollux-run logs: no output of job {args.job!r} on the {serving} node(s) "
+                  "serving logs", file=sys.stderr)
+    return 0

@@ -1,0 +1,215 @@
+"""Restart-elastic (and fixed) jobs: torchrun's contract, driven by allocations.
+
+A script that does not use the pollux API cannot re-form its group in place, so its
+workers are a *generation*: the allocation they were started for (term, version) and
+the job's restarts after failures (``JobGeneration.restarts``). Protocol, per node:
+
+1. When the generation changes (a new allocation, or a restart after a failure), every
+   worker of the old one gets SIGTERM; those still alive after the job's ``stop_grace``
+   get SIGKILL (torchrun: SIGTERM, 30 s, SIGKILL).
+2. Only once all of them exited (their slots are free) are the new generation's workers
+   started, with torchrun's variables for it (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+   ``GROUP_RANK``, ``MASTER_PORT`` new per generation, ``TORCHELASTIC_RESTART_COUNT``...).
+   The script resumes from its own checkpoint. Slots are never oversubscribed: a node
+   starts no more workers than are free once the old ones are gone.
+3. A worker of the current generation that fails (an error exit, or killed by a signal
+   nobody sent) restarts the whole group while restarts remain (``--max-restarts``, as
+   torchrun): the node agent that saw it raises ``JobGeneration.restarts`` by
+   compare-and-swap from the generation the worker ran in, so a failure that every
+   node sees counts once. With none left, the job fails with the worker's exit code.
+   An exit of an old generation's worker is never a failure: it was being replaced.
+4. The node of rank 0 measures the cost of a restart: how long its old workers took to
+   exit, and from starting the new rank 0 until the group's rendezvous port accepted a
+   connection. Both go to ``JobGeneration``; the coordinator charges their sum as the
+   job's re-allocation penalty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from .. import keys
+from ..messages import Allocation, JobGeneration, JobSpec, encode
+from ..rendezvous.store import Compare, Put, StoreError
+from .drivers import DriverContext, ProcessExit, ReplicaDriver
+from .workers import Worker
+
+log = logging.getLogger(__name__)
+
+Generation = tuple[int, int, int]  # (allocation term, allocation version, restarts)
+STOP_WAIT = 1.0  # seconds a pass waits for SIGTERMed workers before going on
+PROBE_TIMEOUT = 600.0  # give up measuring a start-up that never opens its port
+
+
+class RestartDriver(ReplicaDriver):
+    """One worker per allocated replica; every change of generation restarts them all."""
+
+    side = "node"
+
+    def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
+        super().__init__(spec, ctx)
+        self._born: dict[str, Generation | None] = {}  # worker id -> its generation
+        self._kill_at: dict[str, float] = {}  # worker id -> when SIGKILL follows SIGTERM
+        self._stop_began: float | None = None
+        self._stop_s: float | None = None  # this node's last measured stop of a generation
+        self._probe_stop = threading.Event()
+        self._early: list[tuple[Worker, int]] = []  # reaped while stopping, not reported
+
+    # -- the generation -----------------------------------------------------------------
+    def _key(self) -> str:
+        return keys.job(self.spec.name, "generation")
+
+    def generation_record(self) -> tuple[JobGeneration, int]:
+        """The job's ``JobGeneration`` and its mod revision (0: none yet; a malformed one
+        is logged once and read as none: the next compare-and-swap replaces it)."""
+        kv = self.ctx.store.get(self._key())
+        if kv is None:
+            return JobGeneration(), 0
+        value = self.values.read(JobGeneration, kv.key, kv.value, kv.mod_revision)
+        return (value or JobGeneration()), kv.mod_revision
+
+    def _current(self, alloc: Allocation | None, restarts: int) -> Generation | None:
+        return (alloc.term, alloc.version, restarts) if alloc is not None else None
+
+    def _update(self, change: Callable[[JobGeneration], JobGeneration | None]) -> bool:
+        """Compare-and-swap ``change`` of the record (None: leave it); retried on races."""
+        for _ in range(8):
+            old, rev = self.generation_record()
+            new = change(old)
+            if new is None:
+                return False
+            if self.ctx.store.txn([Compare(self._key(), "mod_revision", "==", rev)],
+                                  [Put(self._key(), encode(new))]):
+                return True
+        return False
+
+    # -- JobDriver ----------------------------------------------------------------------
+    def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
+        record, _ = self.generation_record()
+        current = self._current(alloc, record.restarts)
+        want = self._want(alloc)
+        old = [wid for wid in self.group.workers if self._born.get(wid) != current]
+        if old:
+            self._stop(old)
+            if any(wid in self.group.workers for wid in old):
+                return 0  # they start once the old generation has left its slots
+        if self._stop_began is not None:  # the old generation has gone: how long it took
+            self._stop_s = time.monotonic() - self._stop_began
+            self._stop_began = None
+        running = len(self.group.workers)
+        start = min(want, running + max(0, free_slots))
+        for local_rank in range(running, start):
+            worker = self._start(alloc, local_rank, record.restarts)
+            self._born[worker.worker_id] = current
+            if worker.label == "0" and alloc is not None:
+                self._measure_startup(alloc, record.restarts)
+        return max(0, want - start)
+
+    def _stop(self, old: list[str]) -> None:
+        """SIGTERM the old generation (once), SIGKILL it after the grace; wait up to
+        STOP_WAIT for it here, so that a script that exits at once restarts at once."""
+        now = time.monotonic()
+        fresh = [wid for wid in old if wid not in self._kill_at]
+        if fresh:
+            self._probe_stop.set()  # (a start-up still being measured is moot now)
+            if self._stop_began is None:
+                self._stop_began = now
+            log.info("job %s: stopping %d worker(s) of the previous generation",
+                     self.spec.name, len(fresh))
+            self.group.signal(signal.SIGTERM, fresh)
+            for wid in fresh:
+                self._kill_at[wid] = now + self.spec.stop_grace
+        overdue = [wid for wid in old if self._kill_at.get(wid, now) <= now]
+        if overdue:
+            self.group.signal(signal.SIGKILL, overdue)
+        deadline = now + min(STOP_WAIT, self.spec.stop_grace)
+        while time.monotonic() < deadline and any(
+                self.group.workers[w].poll() is None for w in old if w in self.group.workers):
+            time.sleep(0.02)
+        # reap what ended now, so that its slots are free for this pass (reported by reap)
+        self._early.extend(self.group.reap())
+
+    def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
+        ended, self._early = [*self._early, *self.group.reap()], []
+        if not ended:
+            return []
+        alloc = allocation()
+        record, _ = self.generation_record()
+        current = self._current(alloc, record.restarts)
+        out = []
+        for worker, code in self.first_failures_first(ended):
+            born = self._born.pop(worker.worker_id, None)
+            self._kill_at.pop(worker.worker_id, None)
+            if born != current:  # replaced by a newer generation: never a failure
+                out.append(ProcessExit(worker.worker_id, code, "departed"))
+            elif code == 0:
+                out.append(ProcessExit(worker.worker_id, code,
+                                       "finished" if self._want(alloc) else "departed"))
+            elif born is not None and self._restart(born[2], worker.worker_id, code):
+                out.append(ProcessExit(worker.worker_id, code, "departed"))
+            else:
+                out.append(self.failed(worker, code))
+        return out
+
+    def _restart(self, restarts: int, worker_id: str, code: int) -> bool:
+        """Restart the group after a failure in generation ``restarts``: True if it is
+        (or another node already did), False when no restart is left."""
+        def bump(old: JobGeneration) -> JobGeneration | None:
+            if old.restarts != restarts or old.restarts >= self.spec.max_restarts:
+                return None
+            return dataclasses.replace(old, restarts=old.restarts + 1, timestamp=time.time())
+
+        try:
+            if self._update(bump):
+                log.warning("job %s: worker %s exited %d; restarting the group (restart %d of "
+                            "%d)", self.spec.name, worker_id, code, restarts + 1,
+                            self.spec.max_restarts)
+                return True
+            record, _ = self.generation_record()
+        except StoreError as exc:  # cannot count it: the job fails rather than loop
+            log.error("job %s: cannot record a restart (%s)", self.spec.name, exc)
+            return False
+        return record.restarts != restarts  # someone else restarted it already
+
+    def _measure_startup(self, alloc: Allocation, restarts: int) -> None:
+        """Time from now until rank 0's rendezvous port accepts (from a thread), and
+        record it with this node's last stop time."""
+        self._probe_stop = stop = threading.Event()
+        port, began, stop_s = self.master_port(alloc, restarts), time.monotonic(), self._stop_s
+        address = self.ctx.node.address
+
+        def probe() -> None:
+            while not stop.is_set() and time.monotonic() - began < PROBE_TIMEOUT:
+                try:
+                    with socket.create_connection((address, port), timeout=0.5):
+                        break
+                except OSError:
+                    stop.wait(0.02)
+            else:
+                return  # replaced, or a script that never opens it: nothing measured
+            startup = time.monotonic() - began
+
+            def measured(old: JobGeneration) -> JobGeneration:
+                return dataclasses.replace(
+                    old, startup_s=round(startup, 3),
+                    stop_s=round(stop_s, 3) if stop_s is not None else old.stop_s,
+                    timestamp=time.time())
+
+            try:
+                self._update(measured)
+            except StoreError as exc:  # only a measurement: the next start measures again
+                log.info("job %s: start-up time not recorded (%s)", self.spec.name, exc)
+            log.info("job %s: group started in %.2f s (stopping the previous one took %s)",
+                     self.spec.name, startup, "-" if stop_s is None else f"{stop_s:.2f} s")
+
+        threading.Thread(target=probe, name=f"probe-{self.spec.name}", daemon=True).start()
+
+    def stop(self, grace: float) -> None:
+        self._probe_stop.set()
+        super().stop(grace)

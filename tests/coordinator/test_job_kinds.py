@@ -1,0 +1,57 @@
+"""What the coordinator tells the policy about each kind of elasticity: a restart-elastic
+job's measured restart cost is its re-allocation penalty, it takes what is free without
+a model, and a fixed job is never resized or moved."""
+
+import numpy as np
+
+from pollux_launch.coordinator.jobs import RESTART_PRIOR_S, job_info
+from pollux_launch.messages import Allocation, JobGeneration, JobSpec
+from pollux_launch.policy import PolicyNode, make_policy
+from pollux_launch.policy.objective import Objective
+
+
+def spec(name, kind, lo, hi, np_=None):
+    return JobSpec(name=name, command=("python", "t.py"), initial_replicas=np_ or lo,
+                   min_replicas=lo, max_replicas=hi, submit_time=1000.0, elasticity=kind,
+                   reports_goodput=kind == "live")
+
+
+def test_restart_job_cost_is_measured_and_its_prior_grows_to_max():
+    s = spec("r", "restart", 1, 4)
+    info = job_info(s, None, None, 1100.0)
+    assert info.realloc_delay == RESTART_PRIOR_S  # nothing measured yet
+    k = np.array([1, 2, 4, 8])
+    assert list(info.speedup_fn(np.ones(4, int), k)) == [0.25, 0.5, 1.0, 1.0]
+    measured = JobGeneration(restarts=0, stop_s=0.5, startup_s=2.0)
+    assert job_info(s, None, None, 1100.0, generation=measured).realloc_delay == 2.5
+    live = job_info(spec("l", "live", 1, 4), None, None, 1100.0)
+    assert live.realloc_delay is None  # the policy's --realloc-delay
+    # a live job of the pollux API grows to -np until its model says more...
+    assert list(live.speedup_fn(np.ones(4, int), k)) == [1.0, 1.0, 1.0, 1.0]
+    # ...one that will never report one (plain Horovod Elastic) takes what is free
+    hvd = JobSpec(name="h", command=("python", "t.py"), min_replicas=1, max_replicas=4,
+                  framework="horovod", reports_goodput=False)
+    assert list(job_info(hvd, None, None, 1100.0).speedup_fn(np.ones(4, int), k)) == \
+        [0.25, 0.5, 1.0, 1.0]
+
+
+def test_penalty_uses_each_jobs_own_delay():
+    a = job_info(spec("a", "restart", 1, 2), None, Allocation(3, ("n",)), 1100.0,
+                 generation=JobGeneration(startup_s=50.0))
+    b = job_info(spec("b", "live", 1, 2), None, Allocation(3, ("n",)), 1100.0)
+    obj = Objective([a, b], [PolicyNode("n", 4)], np.array([[1], [1]]), delta=1.0)
+    # (T - R*delta) / (T + delta) with T = 100 s, R = 2
+    assert np.allclose(obj.penalty, [(100 - 2 * 50) / 150, (100 - 2 * 1) / 101])
+
+
+def test_fixed_job_is_never_resized_or_moved():
+    fixed = spec("f", "fixed", 2, 2)
+    running = job_info(fixed, None, Allocation(1, ("n1", "n1")), 1100.0)
+    assert not running.preemptible and running.min_replicas == running.max_replicas == 2
+    newcomer = job_info(spec("l", "live", 1, 8, 4), None, None, 1100.0)
+    nodes = [PolicyNode("n1", 4), PolicyNode("n2", 4)]
+    current = np.array([[2, 0], [0, 0]])
+    for name in ("pollux-dp", "pollux-ga"):
+        out = make_policy(name).optimize([running, newcomer], nodes, current)
+        assert list(out[0]) == [2, 0], name  # kept exactly where it runs
+        assert out.sum(axis=1)[1] >= 1 and out.sum(axis=0).max() <= 4
