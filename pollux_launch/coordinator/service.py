@@ -364,11 +364,12 @@ class Coordinator:
 def _capacity(node: NodeInfo, placed: dict[str, Allocation | None]) -> int:
     """The slots of ``node`` the policy may hand out: its own, less those still held by
     workers its agent runs beyond what their (unfinished) job's allocation places there
-    - but never fewer than those allocations already hold there (they are the policy's
-    starting point)."""
+    - but never fewer than those allocations already hold there within its slots (they
+    are the policy's starting point; a node that became smaller, e.g. by
+    ``--host-discovery-script``, makes the policy shrink what it runs)."""
     allocated = {name: alloc.nodes.count(node.name) for name, alloc in placed.items() if alloc}
     leaving = sum(max(0, int(k) - allocated.get(job, 0)) for job, k in node.workers.items())
-    return max(node.slots - leaving, sum(allocated.values()))
+    return max(node.slots - leaving, min(sum(allocated.values()), node.slots))
 
 
 def _next_version(old: Allocation | None) -> int:

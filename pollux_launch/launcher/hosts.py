@@ -7,10 +7,14 @@ A hostfile has one host per line, ``hostname slots=N`` (``slots`` optional), wit
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..messages import MAX_SLOTS
+
+# the names that mean this machine in a host list (local mode runs only on those)
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", socket.gethostname()})
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 

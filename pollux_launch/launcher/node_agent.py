@@ -129,6 +129,7 @@ class NodeAgent:
         self._finishing: dict[str, float] = {}  # job -> when to stop waiting for the rest
         self._lease = 0
         self._owns_node = False
+        self._node_lock = threading.Lock()  # (set_slots from the discovery thread)
         self.values = ValueLog(log)  # a bad value is logged once per key and revision
         self._workers: dict[str, int] = {}  # the live workers per job, as last published
         self._newest: dict[str, Allocation] = {}  # per job: the newest allocation seen
@@ -147,13 +148,27 @@ class NodeAgent:
         self._put_node()
 
     def _put_node(self) -> None:
-        key = keys.node(self.node.name)
-        value = encode(dataclasses.replace(self.node, workers=dict(self._workers)))
-        if self.local:  # shared by the machine's launchers: whoever finds it missing
-            self._owns_node = self.store.create(key, value, lease=self._lease)
-        else:  # this agent is the node's one agent: its record replaces a stale one
-            self.store.put(key, value, lease=self._lease)
-            self._owns_node = True
+        with self._node_lock:  # (never an older size over set_slots' newer one)
+            key = keys.node(self.node.name)
+            value = encode(dataclasses.replace(self.node, workers=dict(self._workers)))
+            if self.local:  # shared by the machine's launchers: whoever finds it missing
+                self._owns_node = self.store.create(key, value, lease=self._lease)
+            else:  # this agent is the node's one agent: its record replaces a stale one
+                self.store.put(key, value, lease=self._lease)
+                self._owns_node = True
+
+    def set_slots(self, slots: int) -> None:
+        """This node's size changed (``--host-discovery-script``): its record says so at
+        once where the record is this agent's (a shared local record another launcher
+        created keeps that launcher's size). Raises StoreError (the caller retries)."""
+        with self._node_lock:
+            self.node = dataclasses.replace(self.node, slots=slots)
+            if self._owns_node and self._lease:
+                self.store.put(keys.node(self.node.name), encode(dataclasses.replace(
+                    self.node, workers=dict(self._workers))), lease=self._lease)
+            elif self.local:
+                log.warning("node %s: its record belongs to another pollux-run on this "
+                            "machine, whose slots stay in force", self.node.name)
 
     def _ensure_registered(self) -> None:
         if not self.registers:

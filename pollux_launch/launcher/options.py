@@ -56,8 +56,6 @@ _UNSUPPORTED = {
     "--ssh-identity-file": "pollux-run starts remote workers through node agents, not ssh: "
     "drop --ssh-identity-file",
     "--disable-cache": "pollux-run keeps no host-check cache; drop --disable-cache",
-    "--host-discovery-script": "pollux-run's hosts are the node agents registered in the "
-    "store: run `pollux-run agent --store etcd://...` on each host (new hosts join live)",
 }
 
 # torchrun flags with no meaning here: the node agents place and start the workers.
@@ -108,6 +106,7 @@ class LaunchOptions:
     max_np: int
     hosts: tuple[Host, ...] | None
     slots_per_host: int
+    host_discovery_script: str | None
     network_interface: str | None
     start_timeout: float
     elastic_timeout: float
@@ -156,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-H", "--hosts", help="host1:slots,host2:slots - the hosts the job may use")
     g.add_argument("-hostfile", "--hostfile", dest="hostfile",
                    help="file of 'host slots=N' lines")
+    g.add_argument("--host-discovery-script",
+                   help="executable printing 'host[:slots]' lines, polled every second: "
+                   "the hosts the job may use now (this machine's names; local mode)")
     g.add_argument("--slots-per-host", type=slots, default=None,
                    help="slots of a host listed without a count")
     g.add_argument("--network-interface", "--network-interfaces", dest="network_interface",
@@ -348,8 +350,15 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
     slots_per_host = ns.slots_per_host if ns.slots_per_host is not None else 1
     if slots_per_host < 1:
         raise OptionsError("--slots-per-host must be at least 1")
-    if ns.hosts and ns.hostfile:
-        raise OptionsError("give only one of -H and --hostfile")
+    if len([f for f in (ns.hosts, ns.hostfile, ns.host_discovery_script) if f]) > 1:
+        raise OptionsError("give only one of -H, --hostfile and --host-discovery-script")
+    discovery = None
+    if ns.host_discovery_script:
+        script = cwd / ns.host_discovery_script
+        if not (script.is_file() and os.access(script, os.X_OK)):
+            raise OptionsError(f"--host-discovery-script {ns.host_discovery_script}: not an "
+                               "executable file (chmod +x it?)")
+        discovery = str(script.resolve())
     try:
         hosts = (parse_hosts(ns.hosts, slots_per_host) if ns.hosts
                  else parse_hostfile(cwd / ns.hostfile, slots_per_host) if ns.hostfile
@@ -428,7 +437,7 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         _writable_folder("--output-filename", ns.output_filename, cwd)
     return LaunchOptions(
         command=command, np=np_, min_np=lo, max_np=hi, hosts=hosts,
-        slots_per_host=slots_per_host,
+        slots_per_host=slots_per_host, host_discovery_script=discovery,
         network_interface=ns.network_interface, start_timeout=start_timeout,
         elastic_timeout=ns.elastic_timeout, reset_limit=ns.reset_limit,
         blacklist_cooldown_range=cooldown, output_filename=ns.output_filename,

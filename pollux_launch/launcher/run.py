@@ -44,7 +44,9 @@ from ..rendezvous.network import advertised_address
 from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
 from ..rendezvous.store.cli_args import DEFAULT_URL
 from . import security
+from .discovery import DiscoveryError, HostDiscovery
 from .drivers import driver_class
+from .hosts import LOCAL_NAMES
 from .logs import LogFollower
 from .node_agent import NodeAgent
 from .options import LaunchOptions, OptionsError
@@ -56,7 +58,6 @@ M = TypeVar("M")
 # How long agents accept a submitted spec for starting workers: bounds the replay of a
 # signed spec (admission.py); a job running longer gets no new workers after it.
 SPEC_TTL = 30 * 24 * 3600.0
-LOCAL_NAMES = {"localhost", "127.0.0.1", socket.gethostname()}
 
 
 def local_slots(opts: LaunchOptions) -> int:
@@ -69,6 +70,31 @@ def local_slots(opts: LaunchOptions) -> int:
                 "`pollux-run agent --store etcd://...` on each and pass --store etcd://...")
         return sum(h.slots for h in opts.hosts)
     return local_slots_default()
+
+
+def _discovery(opts: LaunchOptions, local: bool) -> HostDiscovery | None:
+    """``--host-discovery-script``'s poller (local mode only: in a cluster the hosts are
+    the node agents registered in the store)."""
+    if opts.host_discovery_script is None:
+        return None
+    if not local:
+        raise OptionsError("--host-discovery-script: in a cluster the hosts are the node "
+                           "agents registered in the store; start `pollux-run agent` on a "
+                           "host to add it (drop the flag)")
+    return HostDiscovery(opts.host_discovery_script, opts.slots_per_host)
+
+
+def discovered_slots(discovery: HostDiscovery) -> int:
+    """This machine's slots by a first run of the discovery script (one-line errors)."""
+    try:
+        found, others = discovery.discover()
+    except DiscoveryError as exc:
+        raise OptionsError(str(exc)) from None
+    if others:
+        raise OptionsError(f"--host-discovery-script lists {others[0]!r}, which is not this "
+                           "machine: for several machines run `pollux-run agent --store "
+                           "etcd://...` on each and pass --store etcd://...")
+    return found
 
 
 # Device files of a GPU driver torch can use (NVIDIA's, AMD's ROCm): without any, the
@@ -100,8 +126,9 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     driver.preflight()  # e.g. Horovod not installed: one line, before anything starts
     url = opts.store or DEFAULT_URL
     local = url.startswith("embedded")
-    slots = local_slots(opts) if local else 0
-    if local and opts.min_np > slots:
+    discovery = _discovery(opts, local)
+    slots = (discovered_slots(discovery) if discovery else local_slots(opts)) if local else 0
+    if local and opts.min_np > slots and not discovery:  # (discovered hosts may come)
         raise OptionsError(f"--min-np {opts.min_np} is more than this machine's {slots} slots")
     secret = security.load_secret(opts.secret_file)
     store = open_store(url, opts.store_prefix, **opts.store_options)
@@ -129,6 +156,9 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
             # at once (a record put after that round costs a second, settled round)
             agent.register()
             services = [(coordinator.serve, "coordinator"), (agent.serve, "node-agent")]
+            if discovery is not None:
+                services.append((lambda stop, d=discovery, a=agent: d.run(
+                    stop, slots, a.set_slots), "host-discovery"))
         elif driver.side == "launcher":  # this process runs the job's driver, no node
             here = NodeInfo(socket.gethostname(), 0, advertised_address(store), time.time())
             agent = NodeAgent(store, here, url, opts.store_prefix, secret=secret,

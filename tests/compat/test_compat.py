@@ -454,6 +454,68 @@ def test_b_horovod_elastic_grows_live_under_pollux_run(baselines, tmp_path):
 
 
 @pytest.mark.slow
+def test_b_horovodrun_discovery_command_line_under_pollux_run(baselines, tmp_path):
+    """horovodrun's elastic command line as it is (``--gloo``, ``--host-discovery-script``,
+    ``--network-interface``), with ``pollux-run`` in its place: the script's hosts are
+    this machine's slots, polled; the job grows live 1 -> 2 when the script says two
+    slots and shrinks live 2 -> 1 when it says one, rank 0 keeping its process, and ends
+    with horovodrun's result."""
+    want = ok(baselines.horovod(2))
+    hosts, discover, pace = tmp_path / "hosts", tmp_path / "discover.sh", tmp_path / "pace"
+    hosts.write_text("localhost:1\n")
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    pace.touch()
+    log = tmp_path / "log.jsonl"
+    argv = [POLLUX_RUN, *store(tmp_path), "--interval", "2",
+            "--gloo", "-np", "1", "--min-np", "1", "--max-np", "2",
+            "--host-discovery-script", str(discover), "--network-interface", "lo",
+            PYTHON, HVD, "--epochs", str(HVD_EPOCHS), "--step-sleep", "0.05",
+            "--pace-file", str(pace), "--result", str(tmp_path / "result.json"),
+            "--events", str(log)]
+    sampler = Sampler(str(tmp_path))
+    sampler.start()
+    out = open(tmp_path / "out.txt", "w")
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                            env=env(), start_new_session=True)
+
+    def sizes() -> list[int]:
+        return [r["size"] for r in log_records(log) if r["event"] == "start"]
+
+    try:
+        wait_for(proc, lambda: any(r["event"] == "epoch" for r in log_records(log)),
+                 "the first epoch", 120)
+        assert sampler.most == 1
+        hosts.write_text("localhost:2\n")
+        wait_for(proc, lambda: sizes()[-1:] == [2], "growth to 2", 120)
+        grown = len(log_records(log))
+        wait_for(proc, lambda: any(r["event"] == "epoch" for r in log_records(log)[grown:]),
+                 "an epoch at 2", 120)
+        hosts.write_text("localhost:1\n")
+        wait_for(proc, lambda: sizes()[-1:] == [1] and len(sizes()) >= 3, "shrink to 1", 120)
+        shrunk = time.monotonic()
+        while time.monotonic() - shrunk < 3:  # no worker beyond the one slot stays
+            time.sleep(0.2)
+        most_after = sum(workers_of(str(tmp_path)).values())
+        pace.unlink()
+        rc = proc.wait(timeout=120)
+    finally:
+        sampler.halt.set()
+        if proc.poll() is None:
+            kill_group(proc)
+            proc.wait()
+        out.close()
+    text = (tmp_path / "out.txt").read_text()
+    assert rc == 0, text[-4000:]
+    assert most_after <= 1
+    got = load(tmp_path / "result.json")
+    assert got["world_sizes"] == [1, 2, 1], got
+    starts = [r for r in log_records(log) if r["event"] == "start"]
+    assert len({r["pid"] for r in starts}) == 1, "rank 0 must keep its process (live reset)"
+    assert_same_result(got, want, "pollux-run with horovodrun's discovery, 1 -> 2 -> 1")
+
+
+@pytest.mark.slow
 def test_b_deepspeed_under_pollux_run(baselines, tmp_path):
     want = ok(baselines.deepspeed_torchrun(2))
     r = run([POLLUX_RUN, *store(tmp_path), "-np", "2", "python", DS, "--deepspeed_config",
