@@ -15,8 +15,9 @@ By kind of elasticity (``JobSpec.elasticity``):
 
 A job whose script does not use the pollux API (``JobSpec.reports_goodput`` False: a
 torchrun-style script, a plain Horovod Elastic one) never reports a model, so its prior
-grows linearly up to its ``--max-np``: it takes what is free, as torchrun's elastic agent
-and horovodrun's host discovery do.
+(1 at ``-np``, as every job's) grows linearly on up to its ``--max-np``: it takes what is
+free, as torchrun's elastic agent and horovodrun's host discovery do, and competes for
+more as a perfectly scalable job would.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ SpeedupFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 RESTART_PRIOR_S = 30.0
 
 
-def prior_speedup(initial_replicas: int) -> SpeedupFn:
-    """min(K, initial)/initial: worth growing to what the user asked for, no further."""
+def prior_speedup(initial_replicas: int, up_to: int | None = None) -> SpeedupFn:
+    """min(K, up_to)/initial (``up_to``: ``initial``): 1 at the replicas the user asked
+    for, as for every job without a model; worth growing to ``up_to``, no further."""
     initial = max(1, initial_replicas)
+    cap = initial if up_to is None else max(initial, up_to)
 
     def speedup(num_nodes: np.ndarray, num_replicas: np.ndarray) -> np.ndarray:
-        return np.minimum(np.asarray(num_replicas, dtype=float), initial) / initial
+        return np.minimum(np.asarray(num_replicas, dtype=float), cap) / initial
 
     return speedup
 
@@ -80,8 +83,8 @@ def job_info(
         measured = generation.restart_s if generation is not None else None
         delay = RESTART_PRIOR_S if measured is None else measured
     if speedup_fn is None:
-        speedup_fn = prior_speedup(spec.initial_replicas if spec.reports_goodput
-                                   else spec.max_replicas)
+        speedup_fn = prior_speedup(spec.initial_replicas,
+                                   None if spec.reports_goodput else spec.max_replicas)
     elif hints is not None:
         cap = max(exploration_cap(hints.max_profiled_replicas), spec.initial_replicas)
         max_replicas = min(max_replicas, cap)

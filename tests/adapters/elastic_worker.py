@@ -52,7 +52,12 @@ for _ in trainer.epochs(10_000):
     # every replica must leave at the same epoch: rank 0 decides
     stop = torch.tensor([int(os.path.exists(STOP))])
     if job.placement.world_size > 1:
-        torch.distributed.broadcast(stop, 0)
+        try:
+            torch.distributed.broadcast(stop, 0)
+        except Exception as exc:  # a peer died at the epoch's end: re-formed; ask again
+            if not trainer.controller.recover(exc, in_flight=False):
+                raise
+            stop.zero_()
     if stop.item():
         break
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))

@@ -21,7 +21,8 @@ def test_restart_job_cost_is_measured_and_its_prior_grows_to_max():
     info = job_info(s, None, None, 1100.0)
     assert info.realloc_delay == RESTART_PRIOR_S  # nothing measured yet
     k = np.array([1, 2, 4, 8])
-    assert list(info.speedup_fn(np.ones(4, int), k)) == [0.25, 0.5, 1.0, 1.0]
+    # 1 where the user asked (-np 1), as every job without a model, growing on to --max-np
+    assert list(info.speedup_fn(np.ones(4, int), k)) == [1.0, 2.0, 4.0, 4.0]
     measured = JobGeneration(restarts=0, stop_s=0.5, startup_s=2.0)
     assert job_info(s, None, None, 1100.0, generation=measured).realloc_delay == 2.5
     live = job_info(spec("l", "live", 1, 4), None, None, 1100.0)
@@ -32,7 +33,23 @@ def test_restart_job_cost_is_measured_and_its_prior_grows_to_max():
     hvd = JobSpec(name="h", command=("python", "t.py"), min_replicas=1, max_replicas=4,
                   framework="horovod", reports_goodput=False)
     assert list(job_info(hvd, None, None, 1100.0).speedup_fn(np.ones(4, int), k)) == \
-        [0.25, 0.5, 1.0, 1.0]
+        [1.0, 2.0, 4.0, 4.0]
+
+
+def test_a_job_without_a_model_takes_free_slots_but_is_not_favoured():
+    """A restart-elastic job at its -np is as well off as any job at its -np before a
+    model: it grows into free slots (bounded or not), never at another's expense - a
+    newcomer gets the free slot, not the live job's second one."""
+    nodes = [PolicyNode("n", 4)]
+    for hi in (4, 1_000_000):
+        r = job_info(spec("r", "restart", 1, hi), None, Allocation(1, ("n",)), 1100.0)
+        alone = make_policy("pollux-dp").optimize([r], nodes, np.array([[1]]))
+        assert alone.sum() == 4, hi
+        live = job_info(spec("l", "live", 1, 4, 2), None, Allocation(1, ("n", "n")), 1100.0)
+        new = job_info(spec("m", "live", 1, 4), None, None, 1100.0)
+        for name in ("pollux-dp", "pollux-ga"):
+            out = make_policy(name).optimize([r, live, new], nodes, np.array([[1], [2], [0]]))
+            assert list(out.sum(axis=1)) == [1, 2, 1], (name, hi)
 
 
 def test_penalty_uses_each_jobs_own_delay():

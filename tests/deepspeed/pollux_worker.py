@@ -111,7 +111,12 @@ while loader.epoch < MAX_EPOCHS:
         time.sleep(SLEEP)
     p = job.placement
     stop[0] = float((LOG_DIR / "stop").exists()) if p.rank == 0 else 0.0
-    dist.broadcast(stop, 0)
+    try:
+        dist.broadcast(stop, 0)
+    except Exception as exc:  # a peer died at the epoch's end: re-formed; ask again next one
+        if not engine.driver.controller.recover(exc, in_flight=False):
+            raise
+        stop.zero_()
     if stop.item():
         break
 

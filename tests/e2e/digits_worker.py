@@ -57,7 +57,12 @@ for epoch in trainer.epochs(args.epochs):
     # every replica must leave at the same epoch: rank 0 decides
     stop = torch.tensor([int(os.path.exists(args.stop_file) and acc >= args.target)])
     if job.placement.world_size > 1:
-        torch.distributed.broadcast(stop, 0)
+        try:
+            torch.distributed.broadcast(stop, 0)
+        except Exception as exc:  # a peer died at the epoch's end: re-formed; ask again
+            if not trainer.controller.recover(exc, in_flight=False):
+                raise
+            stop.zero_()
     if stop.item():
         break
 if job.placement.rank == 0:
