@@ -20,6 +20,9 @@ snapshot, no pollux API) logs every step with a wall-clock time. Measured, each
   agents on one machine deadlock in its c10d rendezvous in torch 2.13 - the second waits
   for ``MASTER_ADDR``, the first for the second's ``role_info`` - so it is not measured.)
 
+A launcher whose restart fails (torchrun's often does here, see ``failure_restart_tries``)
+is tried again, up to 3 times a sample; its failures are counted (``failed_restarts``).
+
 The LAST line printed is one JSON object:
 ``{"restart_s": x, "torchrun_restart_s": y, "grow_s": ..., "pollux_failure_restart_s": ...}``
 (medians, seconds).
@@ -171,18 +174,33 @@ def failure_restart(launcher: str) -> float:
         run.close()
 
 
+def failure_restart_tries(launcher: str, failed: dict[str, int], tries: int = 3) -> float:
+    """``failure_restart``, tried again when the launcher's restart itself failed (torchrun
+    in torch 2.13 with gloo often does: its restarted workers read the previous attempt's
+    gloo addresses from its agent store); every failure is counted in ``failed``."""
+    for attempt in range(tries):
+        try:
+            return failure_restart(launcher)
+        except RuntimeError as exc:  # the launcher ended instead of restarting
+            failed[launcher] = failed.get(launcher, 0) + 1
+            progress(f"{launcher}: restart try {attempt + 1} failed: "
+                     f"{str(exc).splitlines()[0][:120]}")
+    raise RuntimeError(f"{launcher}: {tries} restarts failed in a row")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     got: dict[str, list[float]] = {k: [] for k in (
         "restart_s", "grow_s", "torchrun_restart_s", "pollux_failure_restart_s")}
+    failed: dict[str, int] = {"torchrun": 0, "pollux-run": 0}  # restarts that failed
     for i in range(args.repeats):
         shrink, grow = pollux_allocation_restarts()
         got["restart_s"].append(shrink)
         got["grow_s"].append(grow)
-        got["torchrun_restart_s"].append(failure_restart("torchrun"))
-        got["pollux_failure_restart_s"].append(failure_restart("pollux-run"))
+        got["torchrun_restart_s"].append(failure_restart_tries("torchrun", failed))
+        got["pollux_failure_restart_s"].append(failure_restart_tries("pollux-run", failed))
         progress(f"repeat {i + 1}/{args.repeats}: " + ", ".join(
             f"{k} {v[-1]:.2f}" for k, v in got.items()))
     med = {k: round(statistics.median(v), 3) for k, v in got.items()}
@@ -190,7 +208,7 @@ def main() -> None:
         "restart_s": med["restart_s"], "torchrun_restart_s": med["torchrun_restart_s"],
         "grow_s": med["grow_s"], "pollux_failure_restart_s": med["pollux_failure_restart_s"],
         "ratio_vs_torchrun": round(med["restart_s"] / med["torchrun_restart_s"], 3),
-        "repeats": args.repeats, "samples": {k: [round(x, 3) for x in v]
+        "failed_restarts": failed, "repeats": args.repeats, "samples": {k: [round(x, 3) for x in v]
                                              for k, v in got.items()},
     }))
 
