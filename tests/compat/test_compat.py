@@ -286,17 +286,23 @@ def test_a_horovodrun_baseline(baselines, tmp_path):
     assert_same_result(load(tmp_path / "result.json"), two, "horovodrun elastic -np 2")
 
 
+def elastic_growth_files(tmp: Path) -> tuple[Path, Path, Path, Path]:
+    """(hosts file saying ``localhost:1``, the discovery script printing it, the pace file,
+    the event log) for a Horovod Elastic run whose hosts the test changes."""
+    hosts, discover, pace = tmp / "hosts", tmp / "discover.sh", tmp / "pace"
+    hosts.write_text("localhost:1\n")
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    pace.touch()
+    return hosts, discover, pace, tmp / "log.jsonl"
+
+
 @pytest.mark.slow
 def test_a_horovodrun_elastic_growth_keeps_the_result(baselines, tmp_path):
     """horovodrun itself grows the job 1 -> 2 (its discovery script's hosts change while it
     trains): the script is reset-safe, the result is the baseline's."""
     want = ok(baselines.horovod(2))
-    hosts, discover, pace = tmp_path / "hosts", tmp_path / "discover.sh", tmp_path / "pace"
-    hosts.write_text("localhost:1\n")
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
-    pace.touch()
-    log = tmp_path / "log.jsonl"
+    hosts, discover, pace, log = elastic_growth_files(tmp_path)
     argv = [HOROVODRUN, "--gloo", "-np", "1", "--min-np", "1", "--max-np", "2",
             "--host-discovery-script", str(discover), "--network-interface", "lo",
             PYTHON, HVD, "--epochs", str(HVD_EPOCHS), "--step-sleep", "0.05",
@@ -461,12 +467,7 @@ def test_b_horovodrun_discovery_command_line_under_pollux_run(baselines, tmp_pat
     slots and shrinks live 2 -> 1 when it says one, rank 0 keeping its process, and ends
     with horovodrun's result."""
     want = ok(baselines.horovod(2))
-    hosts, discover, pace = tmp_path / "hosts", tmp_path / "discover.sh", tmp_path / "pace"
-    hosts.write_text("localhost:1\n")
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
-    pace.touch()
-    log = tmp_path / "log.jsonl"
+    hosts, discover, pace, log = elastic_growth_files(tmp_path)
     argv = [POLLUX_RUN, *store(tmp_path), "--interval", "2",
             "--gloo", "-np", "1", "--min-np", "1", "--max-np", "2",
             "--host-discovery-script", str(discover), "--network-interface", "lo",
