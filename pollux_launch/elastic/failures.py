@@ -15,12 +15,10 @@ import logging
 
 import torch.distributed as dist
 
+from ..peer_failure import gloo_says_peer_failed
+
 log = logging.getLogger(__name__)
 
-# what gloo's transport says when a peer went away (torch 2.13's gloo, pair.cc and
-# unbound_buffer.cc): read/write errors, closed or reset connections, timeouts
-_GLOO_WORDS = ("connection", "peer", "gloo", "timed out", "timeout", "broken pipe", "closed",
-               "reset")
 _seen_fallbacks: set[str] = set()
 
 
@@ -30,8 +28,7 @@ def is_peer_failure(exc: BaseException) -> bool:
         return True
     if type(exc) is not RuntimeError or not dist.is_initialized():
         return False
-    text = str(exc).lower()
-    if not any(w in text for w in _GLOO_WORDS):
+    if not gloo_says_peer_failed(str(exc)):
         return False
     kind = first_line(exc)[:60]
     if kind not in _seen_fallbacks:  # bounded: one entry per distinct message start

@@ -41,6 +41,7 @@ from .. import env as envvars
 from .. import keys
 from ..arguments import OptionsError
 from ..messages import MAX_REPLICAS, Allocation, JobSpec, NodeInfo, ValueLog
+from ..peer_failure import recorded_peer_failure
 from ..rendezvous.network import transport_env
 from ..rendezvous.store import Store
 from .frameworks import insert_local_rank
@@ -257,18 +258,21 @@ class ReplicaDriver(JobDriver):
         return " ".join(message.split())[:200] if isinstance(message, str) else ""
 
     def first_failures_first(self, ended: list[tuple[Worker, int]]) -> list[tuple[Worker, int]]:
-        """``ended`` in the order the workers ended (their output's end, or their error
-        file if written earlier), as torchrun reports its first failure as the root cause:
-        peers that failed because of it end later."""
-        def ended_at(item: tuple[Worker, int]) -> float:
+        """``ended`` root causes first, as torchrun reports its first failure: a worker
+        whose recorded error (``@record``) is a collective's failure caused by a peer
+        comes after those whose is not, and within each the order they ended in (their
+        output's end, or their error file if written earlier)."""
+        def key(item: tuple[Worker, int]) -> tuple[bool, float]:
             worker = item[0]
             at = worker.ended_at if worker.ended_at is not None else float("inf")
+            recorded = self._recorded_error(worker.worker_id)
             try:
-                return min(at, os.stat(self._error_file(worker.worker_id)).st_mtime)
+                at = min(at, os.stat(self._error_file(worker.worker_id)).st_mtime)
             except OSError:
-                return at
+                pass  # no error file: its output's end says when it ended
+            return bool(recorded) and recorded_peer_failure(recorded), at
 
-        return sorted(ended, key=ended_at) if self.ctx.runtime_dir else ended
+        return sorted(ended, key=key) if self.ctx.runtime_dir else ended
 
     def _departed(self, worker_id: str) -> bool:
         """Whether the worker said it left because a new round formed without it (the

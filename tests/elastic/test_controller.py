@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from pollux_launch.elastic.checkpoint import latest_checkpoint
 from pollux_launch.elastic.controller import CheckpointWriter, Decision, ElasticController
 from pollux_launch.elastic.failures import is_peer_failure
+from pollux_launch.peer_failure import recorded_peer_failure
 from pollux_launch.rendezvous.protocol import RendezvousError
 from pollux_launch.tuning.gns import GradNoise
 from pollux_launch.tuning.profile import ProfileKey, StepProfile
@@ -177,6 +178,18 @@ def test_peer_failures_are_recognised_by_type_first():
     assert not is_peer_failure(RuntimeError("Connection reset by peer"))  # no group exists
     assert not is_peer_failure(RendezvousError("store unreachable: connection reset"))
     assert not is_peer_failure(ValueError("connection"))
+
+
+def test_recorded_errors_of_peers_are_told_from_root_causes():
+    """A failed worker's recorded error (torchrun's error file, ``Type: text``): a peer's
+    failure by type, or gloo's untyped one by its words; a script's own error is not."""
+    assert recorded_peer_failure("DistBackendError: NCCL communicator was aborted")
+    assert recorded_peer_failure("torch.distributed.DistNetworkError: connection refused")
+    assert recorded_peer_failure("RuntimeError: [../gloo/transport/tcp/pair.cc:553] "
+                                 "Connection closed by peer [127.0.0.1]:35483")
+    assert not recorded_peer_failure("RuntimeError: rank 1 fails in its first attempt")
+    assert not recorded_peer_failure("ValueError: connection string malformed")
+    assert not recorded_peer_failure("no type here")
 
 
 def _worker(rank: int, port: int, out: Any) -> None:
