@@ -3,6 +3,7 @@ group, DDP, its own snapshot file (resumed at start), a stop file. Each process 
 steps as JSON lines to ``$LOG_DIR/<pid>.jsonl`` for the tests."""
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -51,4 +52,6 @@ while True:
         torch.save({"model": model.module.state_dict(), "step": step}, str(snap) + ".tmp")
         os.replace(str(snap) + ".tmp", snap)
     time.sleep(args.step_delay)
+del model, opt  # (the DDP reducer holds the group: see tests/compat/torchrun_ddp.py)
+gc.collect()
 dist.destroy_process_group()
