@@ -51,6 +51,7 @@ def main():
             os.replace(snap + ".tmp", snap)
     dist.barrier()
     print("done", flush=True)
+    dist.destroy_process_group()  # (torch 2.13's gloo may abort a teardown that does it)
 
 main()
 '''
