@@ -83,23 +83,17 @@ def test_polling_reports_changes_and_survives_failures(tmp_path, caplog):
     assert sum("cannot record 2 slot(s)" in m for m in said) == 1, said
 
 
-def test_the_launcher_refuses_what_discovery_cannot_do(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("body", "store", "needle"), [
+    ("echo far.example:2\n", "embedded", "not this machine"),
+    ("exit 2\n", "embedded", "exited 2"),
+    ("echo localhost:1\n", "etcd://127.0.0.1:1", "in a cluster the hosts are the node agents"),
+])
+def test_the_launcher_refuses_what_discovery_cannot_do(tmp_path, monkeypatch, body, store,
+                                                       needle):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("import torch\n")
-    far = script(tmp_path, "echo far.example:2\n", "far.sh")
-    opts = parse_launch_args(["--store", f"embedded://{tmp_path}/s.db",
-                              "--host-discovery-script", str(far), "python", "train.py"],
-                             cwd=tmp_path)
-    with pytest.raises(OptionsError, match="not this machine"):
-        launch(opts)
-    broken = script(tmp_path, "exit 2\n", "broken.sh")
-    opts = parse_launch_args(["--store", f"embedded://{tmp_path}/s.db",
-                              "--host-discovery-script", str(broken), "python", "train.py"],
-                             cwd=tmp_path)
-    with pytest.raises(OptionsError, match="exited 2"):
-        launch(opts)
-    ok = script(tmp_path, "echo localhost:1\n", "ok.sh")
-    opts = parse_launch_args(["--store", "etcd://127.0.0.1:1", "--host-discovery-script",
-                              str(ok), "python", "train.py"], cwd=tmp_path)
-    with pytest.raises(OptionsError, match="in a cluster the hosts are the node agents"):
+    url = f"embedded://{tmp_path}/s.db" if store == "embedded" else store
+    opts = parse_launch_args(["--store", url, "--host-discovery-script",
+                              str(script(tmp_path, body)), "python", "train.py"], cwd=tmp_path)
+    with pytest.raises(OptionsError, match=needle):
         launch(opts)
