@@ -1,12 +1,25 @@
-"""Average JCT of the Pollux workloads under several policies, next to the published figures.
+"""Average JCT of the Pollux workloads per rescale model, next to the published figures.
 
-    python benchmarks/sim_workloads.py [--load 1.0] [--workloads 1-8]
-                                       [--policies pollux-dp,pollux-ga] [--procs 2]
+    python benchmarks/sim_workloads.py [--loads 1.0] [--workloads 1-8]
+        [--rescale-models live,checkpoint-restart] [--policies pollux-dp] [--procs 2]
+        [--rescale-calibration FILE]
 
-Runs every workload x policy in the trace simulator (``pollux-run simulate``), at most
-``--procs`` at a time, prints a table, and as its LAST line one JSON object:
-``{"load": ..., "workloads": {"workload-1": {"<policy>": avg_jct, ...}, ...},
-"mean_avg_jct": {"<policy>": ..., "published-pollux": ...}, ...}``.
+Runs every load x workload x rescale model x policy in the trace simulator (what
+``pollux-run simulate`` runs), at most ``--procs`` at a time. Each rescale model gets
+the round interval it implies (``RescaleCost.round_interval``: 60 s for the paper's
+checkpoint-restart, 15 s for live) and the calibrated costs (default: the bundled
+calibration from benchmarks/rescale.py). Prints a table per load and, as its LAST line,
+one JSON object::
+
+    {"loads": {"1.0": {"workloads": {"workload-1": {"live": s, "checkpoint-restart": s,
+                                                    "published": s}, ...},
+                       "mean": {...}, "live_vs_published": r, "max_live_vs_published": r,
+                       "checkpoint-restart_vs_published": r}, ...},
+     "live_vs_published": r (load 1.0), "published": {...}, "calibration": "...", ...}
+
+``*_vs_published`` is the mean over workloads of avg JCT / the published Pollux avg JCT
+where per-workload figures are published (load 1.0), else the ratio of the means over
+workloads 1-8. A policy other than the default is reported as ``<model>:<policy>``.
 """
 
 from __future__ import annotations
@@ -19,15 +32,14 @@ import time
 
 from tqdm import tqdm
 
+from pollux_launch.calibration import load_rescale_cost
 from pollux_launch.policy import DEFAULT_POLICY
-from pollux_launch.sim.run import run_workload
-from pollux_launch.sim.simulator import SimConfig
+from pollux_launch.policy.rescale_cost import RESCALE_MODELS
+from pollux_launch.sim.run import config_for, run_workload
 from pollux_launch.sim.traces import TRACES_DIR
 
 # traces/README.md: Pollux (p = -1), authors' simulator, 64 GPUs, 60 s, 30 s per restart.
 PUBLISHED_POLLUX = {1.0: [2089, 3323, 2188, 2721, 2674, 2446, 3616, 2952]}
-# Tiresias+TunedJobs, the published counterpart of our tuned-las baseline.
-PUBLISHED_TIRESIAS = {1.0: [2474, 5145, 3876, 3280, 3501, 3470, 5480, 5080]}
 PUBLISHED_MEAN = {
     "pollux": {0.5: 1534, 1.0: 2751, 1.5: 3685, 2.0: 5289},
     "tiresias+tunedjobs": {0.5: 2091, 1.0: 4038, 1.5: 6182, 2.0: 10040},
@@ -37,13 +49,18 @@ LOAD_DIRS = {0.5: "workloads-0.5", 1.0: "workloads", 1.5: "workloads-1.5", 2.0: 
 
 
 def _one(task):
-    load, k, policy, seed = task
+    load, k, model, policy, seed, calibration = task
     path = TRACES_DIR / LOAD_DIRS[load] / f"workload-{k}.csv"
     t0 = time.perf_counter()
-    res = run_workload(path, policy, SimConfig(), seed=seed)
+    cfg = config_for(model, load_rescale_cost(calibration))
+    res = run_workload(path, policy, cfg, seed=seed)
     summary = res.summary()
     summary["wall_s"] = time.perf_counter() - t0
-    return load, k, policy, summary
+    return load, k, _label(model, policy), summary
+
+
+def _label(model: str, policy: str) -> str:
+    return model if policy == DEFAULT_POLICY else f"{model}:{policy}"
 
 
 def _parse_range(text: str) -> list[int]:
@@ -54,86 +71,90 @@ def _parse_range(text: str) -> list[int]:
     return out
 
 
+def _ratio(load: float, ks: list[int], jcts: dict[int, float]) -> float:
+    """avg JCT / published Pollux: mean of per-workload ratios, or of the means."""
+    per_workload = PUBLISHED_POLLUX.get(load)
+    if per_workload:
+        return sum(jcts[k] / per_workload[k - 1] for k in ks) / len(ks)
+    return sum(jcts.values()) / len(ks) / PUBLISHED_MEAN["pollux"][load]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--load", type=float, default=1.0, choices=sorted(LOAD_DIRS))
+    ap.add_argument("--loads", default="1.0", help="comma list of 0.5, 1.0, 1.5, 2.0")
     ap.add_argument("--workloads", default="1-8", help="e.g. 1-8 or 1,3,5")
-    ap.add_argument("--policies", default=f"{DEFAULT_POLICY},pollux-ga")
+    ap.add_argument("--rescale-models", default="live,checkpoint-restart",
+                    help=f"comma list of {', '.join(RESCALE_MODELS)}")
+    ap.add_argument("--policies", default=DEFAULT_POLICY, help="comma list (e.g. pollux-ga)")
+    ap.add_argument("--rescale-calibration", default=None, metavar="FILE",
+                    help="calibrated costs (default: the bundled calibration)")
     ap.add_argument("--procs", type=int, default=2, help="parallel simulations (max 2 here)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    ks = _parse_range(args.workloads)
+    try:
+        loads = [float(x) for x in args.loads.split(",")]
+        ks = _parse_range(args.workloads)
+        cost = load_rescale_cost(args.rescale_calibration)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if bad := [x for x in loads if x not in LOAD_DIRS]:
+        ap.error(f"unknown load {bad[0]}; choose from {sorted(LOAD_DIRS)}")
+    models = [m.strip() for m in args.rescale_models.split(",") if m.strip()]
+    if bad := [m for m in models if m not in RESCALE_MODELS]:
+        ap.error(f"unknown rescale model {bad[0]!r}; choose from {', '.join(RESCALE_MODELS)}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    tasks = [(args.load, k, p, args.seed) for k in ks for p in policies]
-    results: dict[int, dict[str, dict]] = {k: {} for k in ks}
+    tasks = [(load, k, m, p, args.seed, args.rescale_calibration)
+             for load in loads for k in ks for m in models for p in policies]
+    labels = [_label(m, p) for m in models for p in policies]
+    results: dict[float, dict[int, dict[str, dict]]] = {x: {k: {} for k in ks} for x in loads}
     t0 = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(max(1, min(args.procs, 2))) as pool:
-        for _, k, policy, summary in tqdm(
-            pool.imap_unordered(_one, tasks),
-            total=len(tasks),
-            file=sys.stderr,
-            desc=f"simulate load {args.load}x",
-        ):
-            results[k][policy] = summary
-            tqdm.write(
-                f"workload-{k} {policy}: avg JCT {summary['avg_jct']:.0f} s "
-                f"({summary['wall_s']:.0f} s wall)",
-                file=sys.stderr,
-            )
-
-    published = PUBLISHED_POLLUX.get(args.load)
-    tiresias = PUBLISHED_TIRESIAS.get(args.load)
-    head = f"{'workload':<12}" + "".join(f"{p:>14}" for p in policies)
-    head += f"{'pub.Pollux':>11}{'pub.Tiresias':>13}" if published else ""
-    print(f"load {args.load}x, avg JCT (s); solve ms median / p95 and sim wall s per run below")
-    print(head)
-    for k in ks:
-        row = f"{'workload-' + str(k):<12}" + "".join(
-            f"{results[k][p]['avg_jct']:>14.0f}" for p in policies
-        )
-        row += f"{published[k - 1]:>11}{tiresias[k - 1]:>13}" if published else ""
-        print(row)
-    means = {p: sum(results[k][p]["avg_jct"] for k in ks) / len(ks) for p in policies}
-    row = f"{'mean':<12}" + "".join(f"{means[p]:>14.0f}" for p in policies)
-    if published:
-        row += f"{sum(published[k - 1] for k in ks) / len(ks):>11.0f}"
-        row += f"{sum(tiresias[k - 1] for k in ks) / len(ks):>13.0f}"
-    print(row)
-    for p in policies:
-        s = [results[k][p] for k in ks]
-        print(
-            f"  {p}: solve ms median {max(x['solve_ms_median'] for x in s):.1f} (worst "
-            f"workload), p95 {max(x['solve_ms_p95'] for x in s):.1f}; sim wall s "
-            f"max {max(x['wall_s'] for x in s):.0f}; mean p99 JCT "
-            f"{sum(x['p99_jct'] for x in s) / len(s):.0f}; mean makespan "
-            f"{sum(x['makespan'] for x in s) / len(s):.0f}"
-        )
-    mean_json = {p: round(v, 1) for p, v in means.items()}
-    if published:
-        mean_json["published-pollux"] = round(sum(published[k - 1] for k in ks) / len(ks), 1)
-        mean_json["published-tiresias"] = round(sum(tiresias[k - 1] for k in ks) / len(ks), 1)
-    elif ks == list(range(1, 9)):
-        mean_json["published-pollux"] = PUBLISHED_MEAN["pollux"][args.load]
-        mean_json["published-tiresias"] = PUBLISHED_MEAN["tiresias+tunedjobs"][args.load]
-    print(
-        json.dumps(
-            {
-                "load": args.load,
-                "workloads": {
-                    f"workload-{k}": {p: round(results[k][p]["avg_jct"], 1) for p in policies}
-                    for k in ks
-                },
-                "mean_avg_jct": mean_json,
-                "solve_ms_median": {
-                    p: round(max(results[k][p]["solve_ms_median"] for k in ks), 2) for p in policies
-                },
-                "sim_wall_s_max": {
-                    p: round(max(results[k][p]["wall_s"] for k in ks), 1) for p in policies
-                },
-                "total_wall_s": round(time.perf_counter() - t0, 1),
-            }
-        )
-    )
+        for load, k, label, summary in tqdm(pool.imap_unordered(_one, tasks), total=len(tasks),
+                                            file=sys.stderr, desc="simulate"):
+            results[load][k][label] = summary
+            tqdm.write(f"load {load}x workload-{k} {label}: avg JCT {summary['avg_jct']:.0f} s "
+                       f"(interval {summary['interval']:.0f} s, {summary['wall_s']:.0f} s wall)",
+                       file=sys.stderr)
+    out_loads = {}
+    for load in loads:
+        res = results[load]
+        published = PUBLISHED_POLLUX.get(load)
+        print(f"\nload {load}x, avg JCT (s)")
+        print(f"{'workload':<12}" + "".join(f"{x:>20}" for x in labels)
+              + (f"{'published':>11}" if published else ""))
+        for k in ks:
+            print(f"{'workload-' + str(k):<12}"
+                  + "".join(f"{res[k][x]['avg_jct']:>20.0f}" for x in labels)
+                  + (f"{published[k - 1]:>11}" if published else ""))
+        means = {x: sum(res[k][x]["avg_jct"] for k in ks) / len(ks) for x in labels}
+        print(f"{'mean':<12}" + "".join(f"{means[x]:>20.0f}" for x in labels))
+        entry = {
+            "workloads": {
+                f"workload-{k}": {**{x: round(res[k][x]["avg_jct"], 1) for x in labels},
+                                  **({"published": published[k - 1]} if published else {})}
+                for k in ks},
+            "mean": {x: round(v, 1) for x, v in means.items()},
+            "solve_ms_median": {x: round(max(res[k][x]["solve_ms_median"] for k in ks), 2)
+                                for x in labels},
+        }
+        if published or ks == list(range(1, 9)):
+            for x in labels:
+                jcts = {k: res[k][x]["avg_jct"] for k in ks}
+                entry[f"{x}_vs_published"] = round(_ratio(load, ks, jcts), 4)
+                if published:
+                    entry[f"max_{x}_vs_published"] = round(
+                        max(jcts[k] / published[k - 1] for k in ks), 4)
+                print(f"  {x}: {entry[f'{x}_vs_published']:.3f} x published Pollux")
+        out_loads[str(load)] = entry
+    summary = {"loads": out_loads,
+               "published": {"pollux_load_1.0": PUBLISHED_POLLUX[1.0],
+                             "pollux_mean": PUBLISHED_MEAN["pollux"]},
+               "calibration": cost.source,
+               "intervals_s": {m: config_for(m, cost).interval for m in models},
+               "total_wall_s": round(time.perf_counter() - t0, 1)}
+    if "1.0" in out_loads and "live_vs_published" in out_loads["1.0"]:
+        summary["live_vs_published"] = out_loads["1.0"]["live_vs_published"]
+    print(json.dumps(summary))
     return 0
 
 

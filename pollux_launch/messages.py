@@ -138,6 +138,8 @@ class JobHints:
     progress: float = within(0.0, 1e15, 0.0)
     restarts: int = within(0, MAX_INT, 0)
     timestamp: float = within(*_TIME, 0.0)
+    # bytes of training state a newcomer receives (the live rescale's broadcast)
+    state_bytes: int | None = within(0, 1 << 50, None)
 
     def __post_init__(self) -> None:
         lo, hi = self.local_bsz_bounds

@@ -12,7 +12,9 @@ import signal
 import threading
 
 from ..arguments import fairness, lease_seconds, seconds, seconds_or_zero
+from ..calibration import add_calibration_argument, load_rescale_cost
 from ..policy import DEFAULT_POLICY, POLICIES, make_policy
+from ..policy.rescale_cost import DEFAULT_STATE_BYTES
 from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
 from .service import Coordinator
 
@@ -23,9 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"search engine (default {DEFAULT_POLICY})")
     parser.add_argument("--fairness", type=fairness, default=-1.0,
                         help="fairness knob p (Eqn 14), in [-100, 1], not 0")
-    parser.add_argument("--interval", type=seconds, default=60.0, help="seconds between rounds")
-    parser.add_argument("--realloc-delay", type=seconds_or_zero, default=30.0,
-                        help="expected seconds lost per re-allocation (delta of the penalty)")
+    parser.add_argument("--interval", type=seconds, default=None,
+                        help="seconds between rounds (default: from the calibrated cost of "
+                        "a live rescale, 15 s; the paper's checkpoint-restart used 60)")
+    add_calibration_argument(parser)
+    parser.add_argument("--realloc-delay", type=seconds_or_zero, default=None,
+                        help="seconds a change costs every live job (the penalty's delta; "
+                        "default: the calibrated pause for each job's state)")
     parser.add_argument("--no-interference-avoidance", action="store_true",
                         help="allow several multi-node jobs to share a node")
     parser.add_argument("--lease-ttl", type=lease_seconds, default=10.0,
@@ -40,14 +46,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
-    policy = make_policy(args.policy, p=args.fairness, delta=args.realloc_delay,
+    try:
+        cost = load_rescale_cost(args.rescale_calibration)
+    except ValueError as exc:
+        logging.error("%s", exc)
+        return 2
+    interval = args.interval or cost.round_interval("live")
+    delta = cost.expected_stall("live", DEFAULT_STATE_BYTES, 4)
+    policy = make_policy(args.policy, p=args.fairness,
+                         delta=delta if args.realloc_delay is None else args.realloc_delay,
                          interference_avoidance=not args.no_interference_avoidance)
     store, url = open_from_args(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logging.info("serving %s with policy %s every %.0f s", url, policy.name, args.interval)
+    logging.info("serving %s with policy %s every %.0f s (rescale costs: %s)", url,
+                 policy.name, interval, cost.source)
     with store:
-        Coordinator(store, policy, interval=args.interval, lease_ttl=args.lease_ttl,
-                    node_grace=args.node_grace).serve(stop)
+        Coordinator(store, policy, interval=interval, lease_ttl=args.lease_ttl,
+                    node_grace=args.node_grace, cost=cost,
+                    live_delay=args.realloc_delay).serve(stop)
     return 0

@@ -8,9 +8,11 @@ is the policy's job) and the exploration cap bounds how far it may grow.
 
 By kind of elasticity (``JobSpec.elasticity``):
 
-* ``live``: a change costs the policy's delta (``--realloc-delay``);
+* ``live``: a change costs the calibrated live pause for the job's state
+  (:class:`~pollux_launch.policy.rescale_cost.RescaleCost`, its ``state_bytes`` hint or
+  a default), or the policy's delta where the operator set ``--realloc-delay``;
 * ``restart``: a change costs its measured restart time (``JobGeneration.restart_s``),
-  ``RESTART_PRIOR_S`` before one was measured;
+  the calibrated torchrun-style restart before one was measured;
 * ``fixed``: never resized or moved once running (not preemptible).
 
 A job whose script does not use the pollux API (``JobSpec.reports_goodput`` False: a
@@ -29,11 +31,14 @@ import numpy as np
 from ..goodput import GoodputFunction, GradParams, PerfParams, SpeedupFunction, exploration_cap
 from ..messages import Allocation, JobGeneration, JobHints, JobSpec
 from ..policy import JobInfo
+from ..policy.rescale_cost import DEFAULT_STATE_BYTES, RescaleCost
 
 SpeedupFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
-# what a restart is taken to cost before one was measured: Pollux's checkpoint-restart
-RESTART_PRIOR_S = 30.0
+# Youngest age the penalty sees: it is 0 at age 0 (Pollux's, continuous), and the
+# launcher's clock (submit_time) may run ahead of this host's: a skew must not make a new
+# job's first start worthless while GPUs are free.
+MIN_AGE_S = 1.0
 
 
 def prior_speedup(initial_replicas: int, up_to: int | None = None) -> SpeedupFn:
@@ -73,15 +78,26 @@ def job_info(
     now: float,
     speedup_fn: SpeedupFn | None = None,
     generation: JobGeneration | None = None,
+    cost: RescaleCost | None = None,
+    live_delay: float | None = None,
 ) -> JobInfo:
     """The policy's view of one job. ``speedup_fn`` is the caller's memoised
     ``model_speedup(hints)`` (fitting and memo tables are worth keeping across rounds);
-    ``generation``: a restart-elastic job's measured restart cost."""
+    ``generation``: a restart-elastic job's measured restart cost; ``cost``: the
+    calibrated rescale costs (None: the built-in ones); ``live_delay``: the operator's
+    fixed delta for live jobs (``--realloc-delay``), overriding the calibration."""
     max_replicas = spec.max_replicas
     delay = None
+    state = (hints.state_bytes if hints is not None and hints.state_bytes is not None
+             else DEFAULT_STATE_BYTES)
+    replicas = max(1, allocation.num_replicas if allocation else spec.initial_replicas)
     if spec.elasticity == "restart":
         measured = generation.restart_s if generation is not None else None
-        delay = RESTART_PRIOR_S if measured is None else measured
+        delay = (measured if measured is not None
+                 else (cost or RescaleCost()).expected_stall("restart", state, replicas))
+    elif spec.elasticity == "live":
+        delay = (live_delay if live_delay is not None
+                 else (cost or RescaleCost()).expected_stall("live", state, replicas))
     if speedup_fn is None:
         speedup_fn = prior_speedup(spec.initial_replicas,
                                    None if spec.reports_goodput else spec.max_replicas)
@@ -92,7 +108,7 @@ def job_info(
     return JobInfo(
         name=spec.name,
         speedup_fn=speedup_fn,
-        age=max(0.0, now - spec.submit_time),
+        age=max(MIN_AGE_S, now - spec.submit_time),
         # every version after the first moved a running job: a re-allocation (R_j)
         restarts=max(0, allocation.version - 1) if allocation else 0,
         min_replicas=spec.min_replicas,

@@ -11,9 +11,10 @@ Protocol (keys in ``pollux_launch.keys``):
    ``JobInfo`` per unfinished job; ``policy.optimize``; for each job whose placement
    changed, write ``Allocation(version + 1, ..., term)``. ``term`` is the create revision
    of this leader's ``coordinator/leader`` key (a fencing token: it grows with every new
-   leadership). The writes are one transaction conditioned on the leader key still
-   having that create revision and our value, so a deposed leader never writes; node agents never go
-   back from an allocation of a newer term to an older one.
+   leadership). The writes are transactions (one per ``TXN_OPS`` allocations, etcd's
+   limit; jobs that shrink first) conditioned on the leader key still having that create
+   revision and our value, so a deposed leader never writes; node agents never go back
+   from an allocation of a newer term to an older one.
 4. Slots are held by processes, not by decisions: each node record carries its agent's
    count of live workers per job, and slots still held by workers that an allocation
    no longer places there (leaving, or left over from before a coordinator restart) are
@@ -60,11 +61,16 @@ from ..messages import (
 )
 from ..messages import encode as encode_msg
 from ..policy import Policy, PolicyNode
+from ..policy.rescale_cost import RescaleCost
 from ..rendezvous.store import Compare, Delete, Event, Put, Store, StoreError
 from .jobs import SpeedupFn, job_info, model_speedup
 
 log = logging.getLogger(__name__)
 _DEAD = -float("inf")  # the missing-since mark of a node presumed dead
+# most allocations one transaction writes: etcd refuses a transaction of more operations
+# than its --max-txn-ops (default 128); a round changing more jobs writes several, each
+# guarded by this leader's term
+TXN_OPS = 128
 
 
 @dataclass
@@ -90,8 +96,12 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
         name: str | None = None,
         node_grace: float = 40.0,
+        cost: RescaleCost | None = None,
+        live_delay: float | None = None,
     ) -> None:
         self.store, self.policy, self.interval = store, policy, interval
+        # what a change costs each job (the penalty's delta, by kind): see jobs.job_info
+        self.cost, self.live_delay = cost, live_delay
         self.node_grace = node_grace
         self._known: dict[str, NodeInfo] = {}  # every node seen, as last seen
         self._modelled: set[str] = set()  # jobs whose hints carried a goodput model
@@ -117,16 +127,18 @@ class Coordinator:
                   if v.spec is not None and not (v.status and v.status.finished)]
         nodes = self._with_grace(present, [jobs[n].allocation for n in active], now)
         names = [n.name for n in nodes]
+        index = {name: i for i, name in enumerate(names)}
         current = np.zeros((len(active), len(nodes)), dtype=int)
         for j, name in enumerate(active):
             alloc = jobs[name].allocation
             for node in alloc.nodes if alloc else ():
-                if node in names:
-                    current[j, names.index(node)] += 1
-        infos = [job_info(v.spec, v.hints, v.allocation, now, self._speedup(n, v), v.generation)
+                if node in index:
+                    current[j, index[node]] += 1
+        infos = [job_info(v.spec, v.hints, v.allocation, now, self._speedup(n, v), v.generation,
+                          self.cost, self.live_delay)
                  for n, v in ((n, jobs[n]) for n in active)]
-        placed = {name: jobs[name].allocation for name in active}
-        free = [PolicyNode(n.name, _capacity(n, placed)) for n in nodes]
+        held = _held({name: jobs[name].allocation for name in active})
+        free = [PolicyNode(n.name, _capacity(n, held.get(n.name, {}))) for n in nodes]
         target = current
         if active and nodes:
             try:
@@ -148,16 +160,22 @@ class Coordinator:
         for name in set(self._good) - set(jobs):
             del self._good[name]
         if writes:
-            ops = [Put(keys.job(n, "allocation"), encode_msg(a)) for n, a in writes.items()]
             # (the value too: a put over our key keeps its create revision)
             guard = ([Compare(keys.LEADER, "create_revision", "==", self.term),
                       Compare(keys.LEADER, "value", "==", json.dumps(self.name))]
                      if self._lease else [])
-            if not self.store.txn(guard, ops):
-                log.warning("coordinator %s lost leadership; round discarded", self.name)
-                self._deposed = True
-                return {}
-            self._good.update(writes)
+            # jobs that give slots back first, so agents free them before others grow
+            order = sorted(writes, key=lambda n: (_replicas(writes[n]) - _replicas(
+                jobs[n].allocation), n))
+            for i in range(0, len(order), TXN_OPS):  # etcd refuses bigger transactions
+                chunk = {n: writes[n] for n in order[i:i + TXN_OPS]}
+                ops = [Put(keys.job(n, "allocation"), encode_msg(a)) for n, a in chunk.items()]
+                if not self.store.txn(guard, ops):
+                    log.warning("coordinator %s lost leadership; round discarded%s", self.name,
+                                f" after {i} of {len(order)} allocations" if i else "")
+                    self._deposed = True
+                    return {n: writes[n] for n in order[:i]}
+                self._good.update(chunk)
             for name, alloc in sorted(writes.items()):
                 log.info("allocation %s v%d: %s", name, alloc.version, _describe(alloc))
         self.rounds += 1
@@ -361,15 +379,30 @@ class Coordinator:
         return part in ("spec", "status")
 
 
-def _capacity(node: NodeInfo, placed: dict[str, Allocation | None]) -> int:
+def _held(placed: dict[str, Allocation | None]) -> dict[str, dict[str, int]]:
+    """node -> job -> replicas the (unfinished) jobs' allocations place there (one pass
+    over the allocations, not one per node)."""
+    held: dict[str, dict[str, int]] = {}
+    for name, alloc in placed.items():
+        for node in alloc.nodes if alloc else ():
+            per = held.setdefault(node, {})
+            per[name] = per.get(name, 0) + 1
+    return held
+
+
+def _capacity(node: NodeInfo, allocated: dict[str, int]) -> int:
     """The slots of ``node`` the policy may hand out: its own, less those still held by
     workers its agent runs beyond what their (unfinished) job's allocation places there
-    - but never fewer than those allocations already hold there within its slots (they
-    are the policy's starting point; a node that became smaller, e.g. by
-    ``--host-discovery-script``, makes the policy shrink what it runs)."""
-    allocated = {name: alloc.nodes.count(node.name) for name, alloc in placed.items() if alloc}
+    (``allocated``: job -> replicas there, ``_held``) - but never fewer than those
+    allocations already hold there within its slots (they are the policy's starting
+    point; a node that became smaller, e.g. by ``--host-discovery-script``, makes the
+    policy shrink what it runs)."""
     leaving = sum(max(0, int(k) - allocated.get(job, 0)) for job, k in node.workers.items())
     return max(node.slots - leaving, min(sum(allocated.values()), node.slots))
+
+
+def _replicas(alloc: Allocation | None) -> int:
+    return alloc.num_replicas if alloc else 0
 
 
 def _next_version(old: Allocation | None) -> int:
@@ -379,14 +412,18 @@ def _next_version(old: Allocation | None) -> int:
 def _placement(old: tuple[str, ...], row: np.ndarray, names: list[str]) -> tuple[str, ...]:
     """Node names per replica for a matrix row, keeping surviving replicas in their old
     order (so the rendezvous keeps their ranks) and appending new ones."""
-    left = {name: int(k) for name, k in zip(names, row, strict=True) if k > 0}
+    row = np.asarray(row)
+    if len(row) != len(names):
+        raise ValueError(f"allocation row of {len(row)} nodes for {len(names)} nodes")
+    # the nodes it uses, in node order (only those: a row is mostly zeros on a big cluster)
+    left = {names[i]: int(row[i]) for i in np.flatnonzero(row > 0)}
     kept = []
     for node in old:
         if left.get(node, 0) > 0:
             kept.append(node)
             left[node] -= 1
-    for name in names:
-        kept.extend([name] * left.get(name, 0))
+    for name, k in left.items():
+        kept.extend([name] * k)
     return tuple(kept)
 
 

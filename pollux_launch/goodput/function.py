@@ -36,10 +36,16 @@ class GoodputFunction:
     the replicas and the job's limits only, never on the model, so an owner that builds a
     new function at every refit (the agent, the simulator's jobs) passes the same dict
     each time; by default each function keeps its own (memoised per fit).
+
+    ``single_replica_accumulation``: on one replica, a total batch above M0 uses at least
+    two micro-batches (s >= 1). The Pollux agent needs them to estimate the gradient noise
+    on one GPU, and the authors' simulator models it; pollux-launch's agent differences
+    consecutive steps instead (:mod:`pollux_launch.tuning.grad_monitor`), so it is off
+    by default and on where the Pollux agent is simulated.
     """
 
     def __init__(self, perf_params: PerfParams, grad_params: GradParams, init_batch_size: int,
-                 grid_cache: GridCache | None = None):
+                 grid_cache: GridCache | None = None, single_replica_accumulation: bool = False):
         if not isinstance(perf_params, PerfParams):
             perf_params = PerfParams(*perf_params)
         if not isinstance(grad_params, GradParams):
@@ -55,6 +61,7 @@ class GoodputFunction:
                    p.alpha_node, p.beta_node, p.node_contention, p.gamma)
         self._no_stats = g.sqr == 0 and g.var == 0
         self._grids: GridCache = {} if grid_cache is None else grid_cache
+        self.single_replica_accumulation = bool(single_replica_accumulation)
 
     def throughput(self, num_nodes: Any, num_replicas: Any, local_bsz: Any,
                    accum_steps: Any) -> np.ndarray:
@@ -124,7 +131,8 @@ class GoodputFunction:
             n, k = _broadcast(n, k)
         shape = k.shape
         key = (float(m0), float(max_batch_size), m_lo, m_hi, bool(accumulation),
-               None if fixed_batch_size is None else float(fixed_batch_size))
+               None if fixed_batch_size is None else float(fixed_batch_size),
+               self.single_replica_accumulation)
         if k.size == 1:  # the agent's and the benchmark's case: memoised grid
             nv, kv = float(n.flat[0]), float(k.flat[0])
             if kv < 0 or (kv > 0 and not 1 <= nv <= kv):
@@ -174,7 +182,7 @@ _T = np.linspace(0.0, 1.0, _CANDIDATES)
 
 
 def _grid(k: np.ndarray, m0: float, max_batch: float, m_lo: float, m_hi: float,
-          accumulation: bool, fixed: float | None):
+          accumulation: bool, fixed: float | None, single_accum: bool = False):
     """Candidate (m, s, M, valid) per allocation, shape (len(k), candidates) (Eqn 13).
 
     Depends only on the replicas and the job's limits, never on the fitted model.
@@ -188,8 +196,12 @@ def _grid(k: np.ndarray, m0: float, max_batch: float, m_lo: float, m_hi: float,
         # Geometric grid from lo to max (lo > max leaves only infeasible candidates).
         batch = lo * np.exp(_T * np.log(max_batch / lo))
     per_gpu = batch / k_safe
+    forced = np.zeros(per_gpu.shape, dtype=bool)
     if accumulation:
         accum = np.maximum(np.ceil(per_gpu / m_hi - _EPS) - 1, 0.0)
+        if single_accum:  # >= 2 micro-batches on one replica above M0 (see the class doc)
+            forced = (k_safe == 1) & (per_gpu > m0 + _EPS) & (accum < 1)
+            accum = np.where(forced, 1.0, accum)
     else:
         accum = np.zeros_like(per_gpu)
     local = np.ceil(per_gpu / (accum + 1) - _EPS)
@@ -201,7 +213,7 @@ def _grid(k: np.ndarray, m0: float, max_batch: float, m_lo: float, m_hi: float,
     if fixed is None:
         valid &= total >= m0 * (1 - _EPS)
     # Fewest steps: the same M must not fit with one accumulation step less.
-    valid &= local * (accum + 1) > m_hi * accum
+    valid &= (local * (accum + 1) > m_hi * accum) | forced
     local = np.where(valid, local, 1.0)
     total = k_safe * local * (accum + 1)
     return local, accum, total, valid

@@ -119,8 +119,8 @@ class LaunchOptions:
     store_prefix: str
     job_name: str
     fairness: float
-    interval: float
-    realloc_delay: float
+    interval: float | None  # None: the calibrated default (RescaleCost.round_interval)
+    realloc_delay: float | None  # None: each live job's calibrated pause
     policy: str | None
     framework: str
     horovod_env: dict[str, str] = field(default_factory=dict)
@@ -211,12 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--job-name", help="unique job name (default: derived from the command)")
     x.add_argument("--fairness", type=fairness, default=-1.0,
                    help="fairness knob p of the Pollux fitness (default -1; 1 = plain sum)")
-    x.add_argument("--interval", type=seconds, default=60.0,
-                   help="seconds between scheduling rounds (default 60)")
+    x.add_argument("--interval", type=seconds, default=None,
+                   help="seconds between scheduling rounds (default: from the calibrated cost "
+                   "of a live rescale, 15)")
     x.add_argument("--policy", help="scheduling policy name (default: the fastest exact one)")
-    x.add_argument("--realloc-delay", type=seconds_or_zero, default=10.0,
-                   help="seconds a re-allocation is expected to cost a job (the policy's "
-                   "penalty; default 10: live rescaling, not checkpoint-restart)")
+    x.add_argument("--realloc-delay", type=seconds_or_zero, default=None,
+                   help="seconds a re-allocation is expected to cost a live job (the "
+                   "policy's penalty; default: the calibrated live pause for its state)")
     x.add_argument("--framework", default="auto", choices=("auto", *FRAMEWORKS),
                    help="training framework (default: detected from the script)")
     x.add_argument("--elasticity", default="auto", choices=("auto", *ELASTICITY),

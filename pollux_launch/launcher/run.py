@@ -37,9 +37,11 @@ from typing import IO, TypeVar
 
 from .. import env as envvars
 from .. import keys
+from ..calibration import load_rescale_cost
 from ..coordinator.service import Coordinator
 from ..messages import Allocation, JobHints, JobSpec, JobStatus, NodeInfo, ValueLog, encode
 from ..policy import DEFAULT_POLICY, make_policy
+from ..policy.rescale_cost import DEFAULT_STATE_BYTES
 from ..rendezvous.network import advertised_address
 from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
 from ..rendezvous.store.cli_args import DEFAULT_URL
@@ -145,9 +147,13 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
               file=stdout, flush=True)
         if local:
             node = NodeInfo(socket.gethostname(), slots, "127.0.0.1", time.time())
-            policy = make_policy(opts.policy or DEFAULT_POLICY, p=opts.fairness,
-                                 delta=opts.realloc_delay)
-            coordinator = Coordinator(store, policy, interval=opts.interval, settle=0.2)
+            cost = load_rescale_cost()
+            delta = (cost.expected_stall("live", DEFAULT_STATE_BYTES, 4)
+                     if opts.realloc_delay is None else opts.realloc_delay)
+            policy = make_policy(opts.policy or DEFAULT_POLICY, p=opts.fairness, delta=delta)
+            coordinator = Coordinator(store, policy, settle=0.2, cost=cost,
+                                      interval=opts.interval or cost.round_interval("live"),
+                                      live_delay=opts.realloc_delay)
             agent = NodeAgent(store, node, url, opts.store_prefix, secret=secret,
                               only_jobs={spec.name}, output_dir=opts.output_filename,
                               stdout=stdout, sides=("node", "launcher"), launch_options=opts,

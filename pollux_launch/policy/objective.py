@@ -60,14 +60,17 @@ def reallocation_penalty(
 ) -> np.ndarray:
     """Speedup factor for a job whose allocation changes: (T - R*delta) / (T + delta).
 
-    Clipped at 0. ``T <= 0`` marks a job that has not started yet: its first allocation
-    is not penalised (factor 1). ``delta`` may differ per job (:func:`job_delays`).
+    Clipped at 0, and continuous in T: a job that arrived this very moment (T = 0) gets
+    0, as in the Pollux artifact, so a round held at a job's arrival does not favour it
+    over one that waited a little. With ``delta == 0`` a change is free (factor 1).
+    ``delta`` may differ per job (:func:`job_delays`).
     """
-    age = np.asarray(age, dtype=float)
+    age = np.maximum(np.asarray(age, dtype=float), 0.0)
     restarts = np.asarray(restarts, dtype=float)
+    delta = np.asarray(delta, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         factor = np.maximum(age - restarts * delta, 0.0) / (age + delta)
-    return np.where(age <= 0, 1.0, factor)
+    return np.where(delta <= 0, 1.0, factor)
 
 
 def job_delays(jobs: Sequence[JobInfo], delta: float) -> np.ndarray:

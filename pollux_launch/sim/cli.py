@@ -12,8 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from pollux_launch.sim.run import policy_names, run_workload
-from pollux_launch.sim.simulator import SimConfig
+from pollux_launch.calibration import add_calibration_argument, load_rescale_cost
+from pollux_launch.policy.rescale_cost import RESCALE_MODELS
+from pollux_launch.sim.run import config_for, policy_names, run_workload
 from pollux_launch.sim.traces import MODELS_DIR
 
 
@@ -25,10 +26,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"one of {', '.join(policy_names())}")
     parser.add_argument("--nodes", type=int, default=16, help="nodes in the cluster (16)")
     parser.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node (4)")
-    parser.add_argument("--interval", type=float, default=60.0,
-                        help="seconds between scheduling rounds (60)")
+    parser.add_argument("--rescale-model", default="live", choices=RESCALE_MODELS,
+                        help="what a change of allocation costs: live (survivors pause for "
+                             "the calibrated state broadcast; newcomers' GPUs idle while "
+                             "they start), restart (torchrun-style), checkpoint-restart (the "
+                             "Pollux paper's flat --realloc-delay) (default live)")
+    add_calibration_argument(parser)
+    parser.add_argument("--interval", type=float, default=None,
+                        help="seconds between scheduling rounds (default: from the rescale "
+                             "model, 15 for live up to 60 for checkpoint-restart)")
     parser.add_argument("--realloc-delay", type=float, default=30.0,
-                        help="seconds of no progress per re-allocation (30)")
+                        help="checkpoint-restart: seconds of no progress per change (30)")
     parser.add_argument("--interference", type=float, default=0.0,
                         help="slowdown of distributed jobs sharing a node, 0..1 (0)")
     parser.add_argument("--fairness", type=float, default=-1.0, metavar="P",
@@ -46,9 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = SimConfig(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                        interval=args.interval, realloc_delay=args.realloc_delay,
-                        interference=args.interference)
+        cfg = config_for(args.rescale_model, load_rescale_cost(args.rescale_calibration),
+                         args.interval, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         realloc_delay=args.realloc_delay, interference=args.interference)
         result = run_workload(args.workload, args.policy, cfg, seed=args.seed,
                               progress=not args.no_progress,
                               options={"p": args.fairness},

@@ -10,11 +10,24 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from pollux_launch.calibration import load_rescale_cost
 from pollux_launch.policy import DEFAULT_POLICY, POLICIES, Policy, make_policy
+from pollux_launch.policy.rescale_cost import RescaleCost
 from pollux_launch.sim.baselines import BASELINES
 from pollux_launch.sim.simulator import SimConfig, SimResult, simulate
 from pollux_launch.sim.traces import MODELS_DIR, available_models, load_model
 from pollux_launch.sim.workload import load_workload
+
+
+def config_for(rescale_model: str, cost: RescaleCost | None = None,
+               interval: float | None = None, **fields) -> SimConfig:
+    """A SimConfig for ``rescale_model`` with the calibrated ``cost`` (None: the bundled
+    calibration) and, unless given, the round interval that model implies."""
+    cost = load_rescale_cost() if cost is None else cost
+    cfg = SimConfig(rescale_model=rescale_model, cost=cost, **fields)
+    if interval is None:
+        interval = cfg.rescale_cost.round_interval(rescale_model)
+    return dataclasses.replace(cfg, interval=interval)
 
 
 def policy_names() -> list[str]:
@@ -34,7 +47,7 @@ def build_policy(name: str | None, cfg: SimConfig, seed: int = 0,
         return name, BASELINES[name](), False
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(policy_names())}")
-    options = {"delta": cfg.realloc_delay, "seed": seed, **(options or {})}
+    options = {"delta": cfg.policy_delta(), "seed": seed, **(options or {})}
     return name, make_policy(name, **options), True
 
 

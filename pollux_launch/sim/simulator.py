@@ -2,12 +2,23 @@
 
 Timeline (as in the Pollux authors' simulator, so figures are comparable): every
 ``interval`` seconds all jobs advance, then the policy sees every submitted, unfinished
-job and returns the next allocation matrix; a job whose allocation changed pays
-``realloc_delay`` seconds of no progress (checkpoint-restart), its first start included.
-Between rounds a job advances epoch by epoch at its *true* goodput
+job and returns the next allocation matrix; a job whose allocation changed pays what the
+``rescale_model`` charges (:mod:`pollux_launch.policy.rescale_cost`): ``checkpoint-restart``
+is the paper's flat ``realloc_delay`` (30 s) of no progress, its first start included;
+``live`` lets the old allocation train on while newcomers start, then stalls the job for
+the calibrated pause (state broadcast); ``restart`` stops it for a torchrun-style restart
+and a checkpoint reload. Each job's expected stall is also its delta in the policy's
+re-allocation penalty. Between rounds a job advances epoch by epoch at its *true* goodput
 ``r / T_iter`` (M0-iterations per second, ``T_iter = step + s * (step - sync)``) read
 from the trace tables, and re-picks its per-GPU batch size and accumulation steps at
-every epoch boundary.
+every epoch boundary and at the end of every interval (as the authors' simulator does).
+
+Where the authors' simulator and this one differ (both measured on workloads 1 and 6;
+see the issue-17 notes in README "Simulator"): the policy's fair-share normaliser packs a
+share above one node onto several nodes (theirs evaluates it on one node, which no
+placement can realise); epoch ends are not rounded to whole seconds; the default engine
+is the exact DP, not the genetic algorithm. The simulated agent follows the Pollux
+agent's rule of >= 2 micro-batches on one GPU above M0 (``single_replica_accumulation``).
 
 What a job *knows* is what a real Pollux agent would know: the (nodes, replicas,
 per-GPU batch) configurations it has run and their measured step/sync times (refit
@@ -21,6 +32,7 @@ most replicas seen, then lets it grow), as in the Pollux authors' simulator.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -38,9 +50,15 @@ from pollux_launch.goodput import (
     fit_perf_params,
 )
 from pollux_launch.policy import JobInfo, Policy, PolicyNode
+from pollux_launch.policy.rescale_cost import (
+    DEFAULT_STATE_BYTES,
+    RESCALE_MODELS,
+    RescaleCost,
+)
 from pollux_launch.sim.traces import (
     PINNED_BATCH_SIZE,
     PINNED_MAX_REPLICAS,
+    STATE_BYTES,
     ModelTrace,
 )
 from pollux_launch.sim.workload import JobSpec
@@ -55,9 +73,14 @@ class SimConfig:
     nodes: int = 16
     gpus_per_node: int = 4
     interval: float = 60.0  # seconds between scheduling rounds
-    realloc_delay: float = 30.0  # seconds of no progress after each allocation change
+    realloc_delay: float = 30.0  # checkpoint-restart: seconds of no progress per change
+    rescale_model: str = "checkpoint-restart"  # what a change costs: RESCALE_MODELS
+    cost: RescaleCost = field(default_factory=RescaleCost)  # calibrated live / restart
     interference: float = 0.0  # slowdown of distributed jobs sharing a node (0 = none)
     adaptive: bool = True  # False: TunedJobs, jobs keep their workload batch size
+    # the simulated agent's batch rule: True, the Pollux agent's >= 2 micro-batches on one
+    # GPU above M0; False, pollux-launch's agent, which needs none (GoodputFunction)
+    single_replica_accumulation: bool = True
     max_time: float = 60 * 86400.0  # give up (error) past this much simulated time
 
     def __post_init__(self):
@@ -69,6 +92,18 @@ class SimConfig:
             raise ValueError(f"realloc delay must be >= 0 seconds, got {self.realloc_delay}")
         if not 0.0 <= self.interference < 1.0:
             raise ValueError(f"interference must be in [0, 1), got {self.interference}")
+        if self.rescale_model not in RESCALE_MODELS:
+            raise ValueError(f"unknown rescale model {self.rescale_model!r}; choose one of "
+                             f"{', '.join(RESCALE_MODELS)}")
+
+    @property
+    def rescale_cost(self) -> RescaleCost:
+        """The cost model with checkpoint-restart's flat cost set to ``realloc_delay``."""
+        return dataclasses.replace(self.cost, checkpoint_restart_s=self.realloc_delay)
+
+    def policy_delta(self) -> float:
+        """Delta of the penalty for a job of unknown state (each job brings its own)."""
+        return self.rescale_cost.expected_stall(self.rescale_model, DEFAULT_STATE_BYTES, 4)
 
     @property
     def total_gpus(self) -> int:
@@ -98,7 +133,10 @@ class SimJob:
         self.placement: tuple[int, ...] = ()
         self.atomic_bsz = 0
         self.accum_steps = 0
-        self.rescale_left = 0.0
+        self.rescale_left = 0.0  # seconds of stall left
+        self.overlap_left = 0.0  # seconds the old configuration still trains (live grow)
+        self._old: tuple[tuple[int, ...], int, int] | None = None  # that configuration
+        self.state_bytes = STATE_BYTES.get(trace.name, DEFAULT_STATE_BYTES)
         self.progress = 0.0
         self.epoch = 0
         self.completion_time: float | None = None
@@ -148,7 +186,8 @@ class SimJob:
 
     def goodput_fn(self) -> GoodputFunction:
         return GoodputFunction(self.perf_params, self.grad_params, self.trace.init_batch_size,
-                               grid_cache=self._grids)
+                               grid_cache=self._grids,
+                               single_replica_accumulation=self.cfg.single_replica_accumulation)
 
     def speedup_fn(self):
         """The job's current speedup function (cached until its model changes)."""
@@ -173,9 +212,12 @@ class SimJob:
     def job_info(self, now: float) -> JobInfo:
         if self.cfg.adaptive:  # TunedJobs never use a model: save the fit
             self.refit()
+        delay = self.cfg.rescale_cost.expected_stall(
+            self.cfg.rescale_model, self.state_bytes, max(1, sum(self.placement)))
         return JobInfo(name=self.name, speedup_fn=self.speedup_fn(),
                        age=now - self.spec.submit_time, restarts=self.restarts or 0,
-                       min_replicas=0, max_replicas=self.max_replicas(), preemptible=True)
+                       min_replicas=0, max_replicas=self.max_replicas(), preemptible=True,
+                       realloc_delay=delay)
 
     def choose_batch(self) -> None:
         """Pick (per-GPU batch m, accumulation steps s) for the current placement."""
@@ -193,8 +235,9 @@ class SimJob:
         else:
             local = math.ceil(batch / replicas - EPS)
             accum = math.ceil(local / tr.max_local_bsz - EPS) - 1
-            if replicas == 1 and batch > tr.init_batch_size:
-                accum = max(1, accum)  # as the agent does: >= 2 micro-batches for stats
+            if (self.cfg.single_replica_accumulation and replicas == 1
+                    and batch > tr.init_batch_size):
+                accum = max(1, accum)  # the Pollux agent's >= 2 micro-batches for stats
             atomic = math.ceil(local / (accum + 1) - EPS)
         count = replicas * (accum + 1)
         self.atomic_bsz = max(1, min(atomic, tr.max_batch_size // count))
@@ -206,39 +249,70 @@ class SimJob:
         return sum(self.placement) * self.atomic_bsz * (self.accum_steps + 1)
 
     def reallocate(self, row: np.ndarray) -> None:
+        """Take a new allocation row and what changing to it costs (the rescale model)."""
+        old_row, old = self.alloc, (self.placement, self.atomic_bsz, self.accum_steps)
+        if self.overlap_left > 0 and self._old is not None:
+            old = self._old  # changed again while newcomers started: that config still runs
         self.alloc = row.copy()
         self.placement = tuple(int(c) for c in row if c > 0)
+        self.overlap_left, self._old = 0.0, None
         if self.placement:
-            self.rescale_left = self.cfg.realloc_delay
+            overlap, stall = self.cfg.rescale_cost.transition(
+                self.cfg.rescale_model, self.state_bytes, sum(old[0]), sum(self.placement),
+                newcomers=bool(np.any(row > old_row)))
+            if overlap > 0 and old[0]:
+                self.overlap_left, self._old = overlap, old
+            self.rescale_left = stall
             self.restarts = 0 if self.restarts is None else self.restarts + 1
             self.choose_batch()
         else:
             self.atomic_bsz = self.accum_steps = 0
+            self.rescale_left = 0.0
 
     def advance(self, start: float, seconds: float, interference: float = 0.0) -> None:
-        """Run for ``seconds`` from time ``start`` (epoch by epoch, at the true goodput)."""
+        """Run for ``seconds`` from time ``start`` (epoch by epoch, at the true goodput):
+        first on the old configuration while newcomers start, then the stall, then on
+        the current one; (m, s) is re-picked at the end, as a Pollux agent does."""
         if not self.placement or self.completion_time is not None:
             return
         gpus = sum(self.placement)
-        delay = min(self.rescale_left, seconds)
+        left = seconds
+        if self.overlap_left > 0 and self._old is not None:
+            dt = min(self.overlap_left, left)
+            self.overlap_left -= dt
+            if self._train(start + seconds - left, dt, interference, self._old):
+                return
+            left -= dt
+        delay = min(self.rescale_left, left)
         self.rescale_left -= delay
         self.attained_service += delay * gpus
-        left = seconds - delay
-        tr = self.trace
-        nodes, replicas = len(self.placement), gpus
+        left -= delay
+        if self._train(start + seconds - left, left, interference, None):
+            return
+        if self.fixed_batch is None and self.cfg.adaptive and self.perf_params is not None:
+            self.choose_batch()
+
+    def _train(self, start: float, seconds: float, interference: float,
+               config: tuple[tuple[int, ...], int, int] | None) -> bool:
+        """Train ``seconds`` on ``config`` (placement, m, s; None: the current one, whose
+        (m, s) is re-picked at epoch ends). True when the job completed."""
+        tr, left, gpus = self.trace, seconds, sum(self.placement)
         while left > 0:
-            step, sync = tr.step_time(self.placement, self.atomic_bsz)
-            batch = self.batch_size
+            placement, atomic, accum = config or (self.placement, self.atomic_bsz,
+                                                  self.accum_steps)
+            step, sync = tr.step_time(placement, atomic)
+            batch = sum(placement) * atomic * (accum + 1)
             sqr, var = tr.grad_stats(batch, self.epoch)
             scale = batch / tr.init_batch_size
             gain = (var + sqr) / (var / scale + sqr)
-            self.observe(nodes, replicas, self.atomic_bsz, step, sync, float(sqr), float(var))
-            goodput = gain / (step + self.accum_steps * (step - sync)) * (1.0 - interference)
+            self.observe(len(placement), sum(placement), atomic, step, sync, float(sqr),
+                         float(var))
+            goodput = gain / (step + accum * (step - sync)) * (1.0 - interference)
             target = tr.epoch_progress[self.epoch + 1]
             if self.progress + goodput * left < target:
                 self.progress += goodput * left
                 self.attained_service += left * gpus
-                return
+                return False
             dt = (target - self.progress) / goodput
             self.progress = float(target)
             self.epoch += 1
@@ -246,7 +320,9 @@ class SimJob:
             left -= dt
             if self.epoch >= tr.max_epochs:
                 self.completion_time = start + seconds - left
-                return
+                return True
+            if config is not None:
+                continue  # the old group keeps its (m, s) until it re-forms
             # New epoch, new gradient statistics: re-pick (m, s), with a model refitted to
             # what this placement showed (the authors' simulator refits on every new
             # configuration, so its batch choice never lags behind its observations).
@@ -254,6 +330,7 @@ class SimJob:
                 self.refit()
             else:
                 self.choose_batch()
+        return False
 
     def true_efficiency(self) -> float:
         if not self.placement or self.completion_time is not None:
@@ -302,6 +379,7 @@ class SimResult:
             "nodes": self.config.nodes,
             "gpus_per_node": self.config.gpus_per_node,
             "interval": self.config.interval,
+            "rescale_model": self.config.rescale_model,
             "realloc_delay": self.config.realloc_delay,
             "sim_wall_s": round(self.wall_s, 3),
         }

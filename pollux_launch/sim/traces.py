@@ -39,6 +39,20 @@ PINNED_BATCH_SIZE = {"ncf": 32768}  # ncf jobs ran at this batch size on one GPU
 PINNED_MAX_REPLICAS = {"ncf": 1}
 TABLE_MAX_NODES = 16  # the measurements cover up to 16 nodes
 
+# Training state a live rescale sends to newcomers (and a restart reloads): fp32 weights
+# plus optimizer slots. Parameter counts of the traced models as the Pollux paper names
+# them (ResNet-18 on CIFAR-10, ResNet-50 on ImageNet, DeepSpeech2 on CMU-ARCTIC, YOLOv3
+# on PASCAL VOC, BERT-base fine-tuned on SQuAD, NeuMF on MovieLens); approximate.
+_PARAMS_AND_SLOTS = {
+    "cifar10": (11.2e6, 1),  # SGD with momentum
+    "imagenet": (25.6e6, 1),  # SGD with momentum
+    "deepspeech2": (26.0e6, 1),  # SGD with momentum
+    "yolov3": (61.9e6, 1),  # SGD with momentum
+    "bert": (110e6, 2),  # AdamW: two moments
+    "ncf": (1.0e6, 2),  # Adam
+}
+STATE_BYTES = {m: int(4 * n * (1 + k)) for m, (n, k) in _PARAMS_AND_SLOTS.items()}
+
 
 def canonical_placement(counts) -> tuple[int, ...]:
     """Drop empty nodes and rotate to the lexicographically smallest rotation.

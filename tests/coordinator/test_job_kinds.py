@@ -4,10 +4,11 @@ a model, and a fixed job is never resized or moved."""
 
 import numpy as np
 
-from pollux_launch.coordinator.jobs import RESTART_PRIOR_S, job_info
-from pollux_launch.messages import Allocation, JobGeneration, JobSpec
+from pollux_launch.coordinator.jobs import job_info
+from pollux_launch.messages import Allocation, JobGeneration, JobHints, JobSpec
 from pollux_launch.policy import PolicyNode, make_policy
 from pollux_launch.policy.objective import Objective
+from pollux_launch.policy.rescale_cost import DEFAULT_STATE_BYTES, RescaleCost
 
 
 def spec(name, kind, lo, hi, np_=None):
@@ -18,15 +19,18 @@ def spec(name, kind, lo, hi, np_=None):
 
 def test_restart_job_cost_is_measured_and_its_prior_grows_to_max():
     s = spec("r", "restart", 1, 4)
-    info = job_info(s, None, None, 1100.0)
-    assert info.realloc_delay == RESTART_PRIOR_S  # nothing measured yet
+    cost = RescaleCost(restart_s=3.0, checkpoint_bps=DEFAULT_STATE_BYTES)
+    info = job_info(s, None, None, 1100.0, cost=cost)
+    assert info.realloc_delay == 4.0  # nothing measured yet: the calibrated restart + reload
     k = np.array([1, 2, 4, 8])
     # 1 where the user asked (-np 1), as every job without a model, growing on to --max-np
     assert list(info.speedup_fn(np.ones(4, int), k)) == [1.0, 2.0, 4.0, 4.0]
     measured = JobGeneration(restarts=0, stop_s=0.5, startup_s=2.0)
     assert job_info(s, None, None, 1100.0, generation=measured).realloc_delay == 2.5
     live = job_info(spec("l", "live", 1, 4), None, None, 1100.0)
-    assert live.realloc_delay is None  # the policy's --realloc-delay
+    assert live.realloc_delay == RescaleCost().expected_stall("live", DEFAULT_STATE_BYTES, 1)
+    assert job_info(spec("l", "live", 1, 4), None, None, 1100.0,
+                    live_delay=7.0).realloc_delay == 7.0  # the operator's --realloc-delay
     # a live job of the pollux API grows to -np until its model says more...
     assert list(live.speedup_fn(np.ones(4, int), k)) == [1.0, 1.0, 1.0, 1.0]
     # ...one that will never report one (plain Horovod Elastic) takes what is free
@@ -55,7 +59,7 @@ def test_a_job_without_a_model_takes_free_slots_but_is_not_favoured():
 def test_penalty_uses_each_jobs_own_delay():
     a = job_info(spec("a", "restart", 1, 2), None, Allocation(3, ("n",)), 1100.0,
                  generation=JobGeneration(startup_s=50.0))
-    b = job_info(spec("b", "live", 1, 2), None, Allocation(3, ("n",)), 1100.0)
+    b = job_info(spec("b", "live", 1, 2), None, Allocation(3, ("n",)), 1100.0, live_delay=1.0)
     obj = Objective([a, b], [PolicyNode("n", 4)], np.array([[1], [1]]), delta=1.0)
     # (T - R*delta) / (T + delta) with T = 100 s, R = 2
     assert np.allclose(obj.penalty, [(100 - 2 * 50) / 150, (100 - 2 * 1) / 101])
@@ -72,3 +76,15 @@ def test_fixed_job_is_never_resized_or_moved():
         out = make_policy(name).optimize([running, newcomer], nodes, current)
         assert list(out[0]) == [2, 0], name  # kept exactly where it runs
         assert out.sum(axis=1)[1] >= 1 and out.sum(axis=0).max() <= 4
+
+
+def test_live_job_delta_is_the_calibrated_pause_for_its_reported_state():
+    """A live job's penalty delta grows with the state a grow must broadcast (its hint)."""
+    cost = RescaleCost(grow_s=0.1, per_replica_s=0.0, broadcast_bps=1e9)
+    hints = JobHints(init_batch_size=32, max_batch_size=256, local_bsz_bounds=(8, 64),
+                     state_bytes=2_000_000_000)
+    alloc = Allocation(version=2, nodes=("a", "a"))
+    small = job_info(spec("l", "live", 1, 4), None, alloc, 1100.0, cost=cost)
+    big = job_info(spec("l", "live", 1, 4), hints, alloc, 1100.0, cost=cost)
+    assert small.realloc_delay == 0.1 + DEFAULT_STATE_BYTES / 1e9
+    assert big.realloc_delay == 2.1

@@ -38,7 +38,7 @@ def test_counts_respect_exclusive_nodes_of_distributed_jobs():
             {"serial": 0.125, "cross_node": 0.015, "max_replicas": 5},
             {"serial": 0.154, "cross_node": 0.025, "max_replicas": 8},
         ],
-        age=0.0,
+        age=1e9,  # new jobs: the penalty factor is ~1
     )
     current = np.zeros((3, 3), dtype=np.int64)
     alloc = make_policy("pollux-dp").optimize(jobs, nodes, current)
@@ -54,7 +54,7 @@ def test_matches_brute_force_on_small_interfering_rounds():
         nodes = make_nodes(3, slots=2)
         specs = [
             {"serial": float(rng.uniform(0, 0.3)), "cross_node": float(rng.uniform(0, 0.3)),
-             "age": 0.0, "max_replicas": int(rng.integers(1, 7))}
+             "age": 1e9, "max_replicas": int(rng.integers(1, 7))}
             for _ in range(2)
         ]
         jobs = make_jobs(specs)
@@ -99,11 +99,11 @@ def test_packing_shortfall_is_repaired_to_the_optimum():
     nodes = make_nodes(3)
     jobs = make_jobs(
         [
-            {"serial": 0.28, "cross_node": 0.215, "max_replicas": 12, "age": 0.0,
+            {"serial": 0.28, "cross_node": 0.215, "max_replicas": 12, "age": 1e9,
              "restarts": 2},
             {"serial": 0.174, "cross_node": 0.185, "max_replicas": 9, "age": 600.0,
              "restarts": 1},
-            {"serial": 0.037, "cross_node": 0.012, "max_replicas": 3, "age": 0.0,
+            {"serial": 0.037, "cross_node": 0.012, "max_replicas": 3, "age": 1e9,
              "restarts": 2},
         ]
     )

@@ -34,9 +34,13 @@ def test_reallocation_penalty():
     assert reallocation_penalty(270.0, 0, 30.0) == pytest.approx(0.9)
     assert reallocation_penalty(270.0, 2, 30.0) == pytest.approx(210 / 300)
     assert reallocation_penalty(30.0, 5, 30.0) == 0.0  # clipped at 0
-    assert reallocation_penalty(0.0, 0, 30.0) == 1.0  # a new job starts unpenalised
-    out = reallocation_penalty(np.array([0.0, 90.0]), np.array([0, 1]), 30.0)
-    np.testing.assert_allclose(out, [1.0, 0.5])
+    # continuous at T = 0 (the Pollux artifact's 0, not a jump to 1 for brand-new jobs)
+    assert reallocation_penalty(0.0, 0, 30.0) == 0.0
+    assert reallocation_penalty(1e-6, 0, 30.0) == pytest.approx(0.0, abs=1e-6)
+    assert reallocation_penalty(5.0, 3, 0.0) == 1.0  # free changes are not penalised
+    out = reallocation_penalty(np.array([0.0, 90.0, 9.0]), np.array([0, 1, 0]),
+                               np.array([30.0, 30.0, 1.0]))  # per-job delta
+    np.testing.assert_allclose(out, [0.0, 0.5, 0.9])
 
 
 def test_fair_share_and_packed_nodes():

@@ -169,7 +169,8 @@ def test_cli_prints_json_last_line_and_writes_output(tmp_path, capsys):
     out = tmp_path / "out"
     rc, cap = _run_cli(["--workload", str(workload), "--policy", "tuned-fifo", "--nodes", "1",
                         "--gpus-per-node", "2", "--models-dir", str(models), "--output",
-                        str(out), "--no-progress"], capsys)
+                        str(out), "--no-progress", "--rescale-model", "checkpoint-restart"],
+                       capsys)
     assert rc == 0
     last = json.loads(cap.out.strip().splitlines()[-1])
     for key in ("avg_jct", "p99_jct", "makespan", "solve_ms_median", "solve_ms_p95", "rounds",
@@ -230,3 +231,62 @@ def test_default_policy_on_real_models_small_cluster(tmp_path):
     assert first.summary()["rounds"] == len(first.solve_ms) > 0
     again = run_workload(path, None, cfg)
     assert again.jcts == first.jcts
+
+
+def test_live_rescale_model_overlaps_newcomers_and_stalls_for_the_broadcast(tmp_path):
+    """Hand-computed on the toy model: 1 GPU trains at 2 M0-it/s (m=10, 0.5 s steps),
+    2 GPUs at 1/0.15 (m=5). Live costs: start 5 s; grow = 5 s overlap on the old GPU,
+    then 1 s + state/bandwidth (1 s); shrink 0.5 s."""
+    from pollux_launch.policy.rescale_cost import DEFAULT_STATE_BYTES, RescaleCost
+    from pollux_launch.sim.simulator import SimJob
+
+    cost = RescaleCost(start_s=5.0, grow_s=1.0, shrink_s=0.5, per_replica_s=0.0,
+                       broadcast_bps=DEFAULT_STATE_BYTES)
+    models = _toy_models(tmp_path, batch_sizes=(10,))
+    spec = load_workload(_workload(tmp_path, "solo,0,toy,1,10\n"), ["toy"])[0]
+    cfg = SimConfig(nodes=1, gpus_per_node=2, rescale_model="live", cost=cost)
+    job = SimJob(spec, load_model("toy", models), cfg, 0)
+    job.reallocate(np.array([1]))  # start: 5 s, then 5 s at 2 it/s
+    job.advance(0.0, 10.0)
+    assert job.progress == pytest.approx(10.0)
+    assert job.job_info(10.0).realloc_delay == pytest.approx(2.0)  # a grow's stall
+    job.reallocate(np.array([2]))  # grow: 5 s more on 1 GPU, 2 s stall, 3 s on 2 GPUs
+    job.advance(10.0, 10.0)
+    assert job.progress == pytest.approx(10.0 + 10.0 + 3.0 / 0.15)
+    before = job.progress
+    job.reallocate(np.array([1]))  # shrink: 0.5 s stall, 9.5 s at 2 it/s
+    job.advance(20.0, 10.0)
+    assert job.progress == pytest.approx(before + 19.0)
+
+
+@pytest.mark.parametrize("model, first, second", [
+    ("checkpoint-restart", 30.0, 30.0),  # the paper: every change, the first included
+    ("restart", 2.0, 2.0 + 1.0),  # torchrun-style, plus reloading the state
+])
+def test_restart_models_stall_the_whole_job(tmp_path, model, first, second):
+    from pollux_launch.policy.rescale_cost import DEFAULT_STATE_BYTES, RescaleCost
+    from pollux_launch.sim.simulator import SimJob
+
+    cost = RescaleCost(restart_s=2.0, checkpoint_bps=DEFAULT_STATE_BYTES)
+    models = _toy_models(tmp_path, batch_sizes=(10,))
+    spec = load_workload(_workload(tmp_path, "solo,0,toy,1,10\n"), ["toy"])[0]
+    cfg = SimConfig(nodes=1, gpus_per_node=2, rescale_model=model, cost=cost)
+    job = SimJob(spec, load_model("toy", models), cfg, 0)
+    job.reallocate(np.array([1]))
+    job.advance(0.0, first + 5.0)  # the stall, then 5 s at 2 it/s
+    assert job.progress == pytest.approx(10.0)
+    job.reallocate(np.array([2]))
+    job.advance(first + 5.0, second + 5.0)  # no overlap: the stall, then 5 s on 2 GPUs
+    assert job.progress == pytest.approx(10.0 + 5.0 / 0.15)
+
+
+def test_cli_rejects_a_bad_calibration_in_one_line(tmp_path, capsys):
+    models = _toy_models(tmp_path)
+    workload = _workload(tmp_path, TUNED_ROWS)
+    bad = tmp_path / "cal.json"
+    bad.write_text('{"version": 1, "start_s": -3}')
+    rc, cap = _run_cli(["--workload", str(workload), "--models-dir", str(models),
+                        "--rescale-calibration", str(bad)], capsys)
+    assert rc == 2 and cap.out == ""
+    line, = cap.err.strip().splitlines()
+    assert "start_s must be a finite number >= 0" in line and str(bad) in line
