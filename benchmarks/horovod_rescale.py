@@ -1,13 +1,21 @@
 """Pause of the surviving workers per Horovod Elastic reset (the ``horovod`` side of
 benchmarks/rescale.py).
 
-    python benchmarks/horovod_rescale.py [--repeats 3] [--high 4] [--low 2] [--plain]
+    python benchmarks/horovod_rescale.py [--repeats 3] [--high 4] [--low 2] [--plain] [--cold]
 
 Real ``horovodrun --gloo`` (elastic, ``--network-interface lo``) runs workers training
 the same ~1M-parameter MLP as the native benchmark (batch 32, SGD with momentum). The
 driver plays the coordinator: it rewrites the job's allocation in a real embedded store;
 a :class:`HostsFileMirror` turns it into the hosts file that Horovod's discovery script
-(``cat``) reports. Cycles ``high -> low -> high``, ``--repeats`` times.
+(``cat``) reports. Cycles ``high -> low -> high``, ``--repeats`` times. As pollux-run's
+local mode does (adapters/horovod/driver.py), newcomers are pre-started
+(adapters/horovod/warm.py): horovodrun runs each worker through the hand-off shim, the
+first grow starts the job's warm zygote (torch and horovod imported), and the mirror
+reports the grown hosts only once it is ready, so a newcomer is a fork that runs the
+script from its first line with its imports done; horovodrun runs from its entry point
+with the import guarded (``write_horovodrun_script``: its per-worker spawned middleman
+then starts in ~0.15 s instead of 0.4-1 s). ``--cold`` measures without either (every
+newcomer a fresh Python, started by the ``horovodrun`` console script, as before).
 
 Pause, per survivor and reset, with the native benchmark's definition: from the step
 boundary where the survivor learns of the change (Horovod raises ``HostsUpdatedInterrupt``
@@ -15,12 +23,16 @@ in ``state.check_host_updates()``, called every step) to the completion of its f
 collective in the new group - the state broadcast (``state.sync()``) when workers were
 added, else the first gradient all-reduce. ``*_to_step_s`` runs to the end of the first
 full step; ``*_from_allocation_s`` from the driver's store write to that end (adds the
-driver's ~1 s discovery polling). Newcomers cannot be pre-started with Horovod: its
-driver launches them after discovery, so an up-scale waits for their start-up.
+driver's ~1 s discovery polling, and on the first grow the zygote's start-up, during
+which the survivors train on). Horovod's driver launches newcomers only once the
+survivors have reset, so an up-scale's pause is the newcomers' start-up: with the warm
+zygote, Horovod's own launch (its middleman process, the shim, a fork) plus the script
+up to its state sync; cold, Python importing torch as well (seconds).
 
-An up-scale's pause is mostly waiting for the newcomers: ``horovod_up_newcomer_*_s``
-give when (after the allocation write) their Python started and their ``hvd.init()``
-returned, ``*_reset_s`` when the survivors' Horovod reset (``shutdown(); init()``) ended.
+``horovod_up_newcomer_*_s`` give when (after the allocation write) the newcomers' script
+began and their ``hvd.init()`` returned, ``*_reset_s`` when the survivors' Horovod reset
+(``shutdown(); init()``) ended; ``horovod_up_warm_newcomers`` the share of newcomers
+that found torch already imported (1.0 with the zygote, 0.0 with ``--cold``).
 
 ``--plain`` uses ``hvd.DistributedOptimizer`` instead of pollux_launch's drop-in.
 :func:`measure` is the function benchmarks/rescale.py calls; the LAST line printed is one
@@ -49,7 +61,8 @@ JOB = "bench-horovod"
 
 
 def worker(log_dir: Path, stop_file: Path, plain: bool) -> None:
-    t_boot = time.time()  # python is up; torch and horovod not yet imported
+    t_boot = time.time()  # the script runs; torch and horovod imported only if warm
+    warm = "torch" in sys.modules  # forked by the warm zygote
     import horovod.torch as hvd
     import torch
     from horovod.common.exceptions import HostsUpdatedInterrupt
@@ -74,7 +87,7 @@ def worker(log_dir: Path, stop_file: Path, plain: bool) -> None:
             + "\n"
         )
 
-    log("init", t_boot=t_boot)
+    log("init", t_boot=t_boot, warm=warm)
 
     model = torch.nn.Sequential(
         torch.nn.Linear(256, 1024),
@@ -161,9 +174,10 @@ def _wait(
     raise RuntimeError(f"no training at {size} workers within {timeout} s")
 
 
-def _newcomers(recs: list[dict], t_alloc: float) -> list[tuple[float, float]]:
-    """(process started, Horovod initialised) after the allocation write, per newcomer."""
-    return [(r["t_boot"] - t_alloc, r["t"] - t_alloc)
+def _newcomers(recs: list[dict], t_alloc: float) -> list[tuple[float, float, float]]:
+    """(script started, Horovod initialised, warm) after the allocation write, per
+    newcomer."""
+    return [(r["t_boot"] - t_alloc, r["t"] - t_alloc, float(r["warm"]))
             for r in recs if r["event"] == "init" and r["t_boot"] > t_alloc]
 
 
@@ -224,14 +238,20 @@ def discovery_cost(runs: int = 10) -> dict:
 
 
 def measure(
-    repeats: int = 3, high: int = 4, low: int = 2, plain: bool = False, progress: bool = True
+    repeats: int = 3, high: int = 4, low: int = 2, plain: bool = False, progress: bool = True,
+    warm: bool = True,
 ) -> dict:
-    """Run ``high -> low -> high`` ``repeats`` times under horovodrun; medians in seconds."""
+    """Run ``high -> low -> high`` ``repeats`` times under horovodrun; medians in seconds.
+    ``warm``: pre-started newcomers, as pollux-run's local mode (else cold ones)."""
     from tqdm import tqdm
 
     from pollux_launch import keys
-    from pollux_launch.adapters.horovod.command import horovodrun_command
+    from pollux_launch.adapters.horovod.command import (
+        horovodrun_command,
+        write_horovodrun_script,
+    )
     from pollux_launch.adapters.horovod.hosts import HostsFileMirror, write_discovery_script
+    from pollux_launch.adapters.horovod.warm import WarmStart
     from pollux_launch.messages import Allocation, encode
     from pollux_launch.rendezvous.store import open_store
 
@@ -239,7 +259,7 @@ def measure(
         raise ValueError(f"need 1 <= low < high, got low={low}, high={high}")
     down: list[tuple[float, ...]] = []
     up: list[tuple[float, ...]] = []
-    newcomers: list[tuple[float, float]] = []
+    newcomers: list[tuple[float, float, float]] = []
     with tempfile.TemporaryDirectory(prefix="pollux-hvd-rescale-") as tmp_name:
         tmp = Path(tmp_name)
         log_dir, stop, hosts = tmp / "logs", tmp / "stop", tmp / "hosts"
@@ -259,10 +279,16 @@ def measure(
             str(stop),
             *(["--plain"] if plain else []),
         ]
-        argv = horovodrun_command(cmd, discovery_script=str(script), np=high, min_np=1, max_np=high)
+        starter = WarmStart(JOB, cmd, {}) if warm else None
+        argv = horovodrun_command(
+            starter.command() if starter else cmd, discovery_script=str(script), np=high,
+            min_np=1, max_np=high,
+            horovodrun=write_horovodrun_script(tmp / "horovodrun") if warm else None)
+        env = {**os.environ, **(starter.environment() if starter else {})}
         out = open(tmp / "horovodrun.out", "w")
-        with HostsFileMirror(store, JOB, hosts):
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        gate = starter.ready if starter else None
+        with HostsFileMirror(store, JOB, hosts, newcomers_ready=gate):
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
             try:
                 with tqdm(
                     total=1 + 2 * repeats,
@@ -289,6 +315,8 @@ def measure(
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+                if starter is not None:
+                    starter.stop()
                 out.close()
                 store.close()
         if rc != 0:
@@ -309,11 +337,14 @@ def measure(
         "horovod_up_reset_s": med(up, 3),
         "horovod_up_newcomer_started_s": med(newcomers, 0),
         "horovod_up_newcomer_initialised_s": med(newcomers, 1),
+        "horovod_up_warm_newcomers": (round(statistics.mean(r[2] for r in newcomers), 2)
+                                      if newcomers else None),
         "horovod_down_pause_max_s": round(max(r[0] for r in down), 4) if down else None,
         "horovod_up_pause_max_s": round(max(r[0] for r in up), 4) if up else None,
         "horovod_samples": [len(down), len(up)],
         "horovod_sizes": [high, low],
         "horovod_optimizer": "hvd" if plain else "pollux",
+        "horovod_newcomers": "warm" if warm else "cold",
         "repeats": repeats,
     }
 
@@ -324,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--high", type=int, default=4)
     p.add_argument("--low", type=int, default=2)
     p.add_argument("--plain", action="store_true", help="hvd.DistributedOptimizer itself")
+    p.add_argument("--cold", action="store_true",
+                   help="no pre-started newcomers (each a fresh Python, as horovodrun's)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--stop-file", type=Path, help=argparse.SUPPRESS)
@@ -334,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     try:
-        result = {**discovery_cost(), **measure(args.repeats, args.high, args.low, args.plain)}
+        result = {**discovery_cost(), **measure(args.repeats, args.high, args.low, args.plain,
+                                                 warm=not args.cold)}
     except (RuntimeError, ValueError) as exc:
         print(f"horovod_rescale: {exc}", file=sys.stderr)
         return 1

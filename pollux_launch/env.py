@@ -33,6 +33,12 @@ CHECKPOINT_DIR = "POLLUX_CHECKPOINT_DIR"  # the job's durable checkpoints (pollu
 CHECKPOINT_INTERVAL = "POLLUX_CHECKPOINT_INTERVAL"  # seconds between them (default below)
 DEFAULT_CHECKPOINT_INTERVAL = 60.0
 DEEPSPEED_KEEP_STATE = "POLLUX_DEEPSPEED_KEEP_STATE"  # keep engine.restored_state (tests)
+# Horovod newcomers started warm (adapters/horovod/warm.py): "0" in the launcher's
+# environment turns it off; the zygote's command (JSON); the socket a hand-off reaches it
+# at (adapters/horovod/handoff.py repeats this one name: it imports nothing of ours)
+HVD_WARM = "POLLUX_HVD_WARM"
+HVD_WARM_COMMAND = "POLLUX_HVD_WARM_COMMAND"
+HVD_ZYGOTE = "POLLUX_HVD_ZYGOTE"
 
 # The operator's secrets, read by pollux-run and its services from their environment
 # and NEVER passed on to a job's processes (WorkerGroup strips them): the cluster secret

@@ -10,6 +10,8 @@
 * :mod:`.state`     ``TorchState``: ``hvd.elastic.TorchState`` plus durable checkpoints
   (``checkpoint_dir``, or ``pollux-run --checkpoint-dir``)
 * :mod:`.driver`    ``HorovodDriver``: pollux-run's driver of a Horovod job (one horovodrun)
+* :mod:`.warm`      pre-started newcomers: ``WarmStart`` (a grow's hosts are reported once
+  the job's warm :mod:`.zygote` is ready; each worker goes through the :mod:`.handoff` shim)
 
 This package imports neither torch nor horovod until ``DistributedOptimizer`` is used, so
 the discovery entry point (run every second by Horovod's driver) stays cheap.

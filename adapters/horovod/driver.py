@@ -14,8 +14,13 @@ its host list and reads its exit code:
 3. horovodrun's exit code is the job's: 0 succeeded, anything else failed. Workers that
    a reset removed exit 134 inside horovodrun - expected, never a job failure.
 
-On one machine (local mode) the driver is ``horovodrun`` itself, with
-``--network-interface lo`` (without it Horovod waits for a second host). On a cluster it
+On one machine (local mode) the driver is ``horovodrun`` itself (its entry point, import
+guarded: :func:`~.command.write_horovodrun_script`), with
+``--network-interface lo`` (without it Horovod waits for a second host), and a job that
+may grow gets pre-started newcomers (:mod:`.warm`): horovodrun runs each worker through
+a hand-off shim, the job's first grow starts a warm zygote, and the mirror reports the
+grown hosts only once it is ready, so the survivors' reset waits for a fork, not for
+Python importing torch. On a cluster it
 is :mod:`.elastic_launch`: Horovod's elastic driver with its hosts read from the
 allocation and each worker started by the node agent of its host (:mod:`.tasks`), so no
 ssh is needed and every node binds its own interface.
@@ -41,8 +46,9 @@ from pollux_launch.launcher.drivers import (
 )
 from pollux_launch.messages import Allocation, JobSpec, NodeInfo, ValueLog
 
-from .command import horovodrun_command, require_horovod
+from .command import horovodrun_command, require_horovod, write_horovodrun_script
 from .hosts import HostsFileMirror, hosts_from_allocation, write_discovery_script
+from .warm import WarmStart
 
 DRIVER_ID = "horovodrun"
 
@@ -57,6 +63,7 @@ class HorovodDriver(JobDriver):
         self.group = WorkerGroup(spec.name, (), spec.env, cwd=spec.workdir or None,
                                  stdout=ctx.stdout, prefix_output=False)  # horovodrun prefixes
         self.mirror: HostsFileMirror | None = None
+        self.warm: WarmStart | None = None
         self.folder: Path | None = None
         self.argv: list[str] = []
         self.started = self.done = False
@@ -84,7 +91,12 @@ class HorovodDriver(JobDriver):
                 out[info.name] = info.address
         return out
 
-    def command(self, alloc: Allocation, discovery_script: str) -> list[str]:
+    def command(self, alloc: Allocation, discovery_script: str,
+                worker: list[str] | None = None,
+                horovodrun: list[str] | None = None) -> list[str]:
+        """Local mode's ``horovodrun`` command line; ``worker``: the command it runs for
+        each worker (default: the job's); ``horovodrun``: the argv that runs horovodrun
+        (default: the ``horovodrun`` beside this Python)."""
         spec, opts = self.spec, self.ctx.options
         np = min(max(alloc.num_replicas, spec.min_replicas), spec.max_replicas)
         nic = opts.network_interface if opts is not None else None
@@ -100,12 +112,12 @@ class HorovodDriver(JobDriver):
                 extra += ["--blacklist-cooldown-range",
                           *(str(v) for v in opts.blacklist_cooldown_range)]
         return horovodrun_command(
-            spec.command, discovery_script=discovery_script, np=np, min_np=spec.min_replicas,
-            max_np=replica_limit(spec), network_interface=nic,
+            worker or list(spec.command), discovery_script=discovery_script, np=np,
+            min_np=spec.min_replicas, max_np=replica_limit(spec), network_interface=nic,
             elastic_timeout=int(opts.elastic_timeout) if opts else None,
             reset_limit=opts.reset_limit if opts else None,
             start_timeout=int(opts.start_timeout) if opts else None,
-            verbose=bool(opts and opts.verbose), extra_args=extra)
+            verbose=bool(opts and opts.verbose), extra_args=extra, horovodrun=horovodrun)
 
     def launch_command(self, alloc: Allocation) -> list[str]:
         """Cluster mode: Horovod's elastic driver with workers started by the node
@@ -133,18 +145,28 @@ class HorovodDriver(JobDriver):
         if self.started or self.done or alloc is None or not alloc.num_replicas:
             return 0  # started once; from then on Horovod follows the allocation
         self.started = True
+        env = self.ctx.job_env(self.spec)
         if self.ctx.local:  # one machine: horovodrun itself, hosts from a discovery script
             self.folder = Path(tempfile.mkdtemp(prefix=f"pollux-hvd-{self.spec.name}-"))
             hosts = self.folder / "hosts"
             script = write_discovery_script(self.folder / "discover.sh", hosts)
-            self.mirror = HostsFileMirror(self.ctx.store, self.spec.name, hosts,
-                                          addresses=self.addresses).start()
-            self.argv = self.command(alloc, str(script))
+            hi = replica_limit(self.spec)
+            if hi is None or hi > self.spec.min_replicas:  # it may grow: newcomers pre-start
+                self.warm = WarmStart(self.spec.name, self.spec.command,
+                                      {**self.spec.env, **env}, cwd=self.spec.workdir or None,
+                                      stdout=self.ctx.stdout)
+                env = {**env, **self.warm.environment()}
+            self.mirror = HostsFileMirror(
+                self.ctx.store, self.spec.name, hosts, addresses=self.addresses,
+                newcomers_ready=self.warm.ready if self.warm else None).start()
+            self.argv = self.command(alloc, str(script),
+                                     self.warm.command() if self.warm else None,
+                                     write_horovodrun_script(self.folder / "horovodrun"))
         else:
             self.argv = self.launch_command(alloc)
         self.group.command = self.argv
         try:
-            self.group.start(DRIVER_ID, self.ctx.job_env(self.spec))
+            self.group.start(DRIVER_ID, env)
         except OSError:
             self._cleanup()
             self.done = True
@@ -172,6 +194,9 @@ class HorovodDriver(JobDriver):
     def _cleanup(self) -> None:
         if self.mirror is not None:
             self.mirror.stop()
+        if self.warm is not None:  # after horovodrun: its last workers may be the zygote's
+            self.warm.stop()
+            self.warm = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None

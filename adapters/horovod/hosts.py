@@ -10,7 +10,10 @@ Horovod's elastic driver runs a *host-discovery script* about once a second and 
   no polling) and keeps a local *hosts file* up to date with atomic renames, so that
   the discovery script the driver runs every second is just ``cat`` of that file
   (:func:`write_discovery_script`; ~3 ms per poll here, versus ~0.2-0.8 s for the
-  Python entry point on this busy 2-core machine).
+  Python entry point on this busy 2-core machine). Its optional gate holds back a list
+  that adds slots until the job's newcomers are pre-started (:mod:`.warm`): Horovod
+  interrupts the survivors as soon as discovery reports new slots, and they wait for the
+  newcomers from then on, so they had better be ready.
 
 ``python -m pollux_launch.adapters.horovod.discover`` reads the store directly instead
 (no launcher-side mirror needed; light imports only) - see that module.
@@ -103,6 +106,12 @@ class HostsFileMirror:
     is rewritten only when the host list changes. ``addresses`` is as in
     :func:`hosts_from_allocation`, or a function returning it (called at every refresh,
     for node sets that change). Pass the store in; it is not closed here.
+
+    ``newcomers_ready`` (optional) gates growth: when the allocation adds slots to the
+    list last written, the file is rewritten only once it returns True (it is asked
+    again every ``hold_poll`` seconds meanwhile, and may start the newcomers' preparation
+    when asked); until then the file keeps the last list, so Horovod's workers go on at
+    their size. Lists that only remove slots are written at once, as is the first one.
     """
 
     def __init__(
@@ -112,14 +121,19 @@ class HostsFileMirror:
         hosts_file: str | os.PathLike[str],
         addresses: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
         wait_timeout: float = 5.0,
+        newcomers_ready: Callable[[], bool] | None = None,
+        hold_poll: float = 0.1,
     ) -> None:
         self.store, self.job = store, job
         self.hosts_file = Path(hosts_file)
         self.addresses = addresses if callable(addresses) else dict(addresses or {})
         self.wait_timeout = wait_timeout
+        self.newcomers_ready, self.hold_poll = newcomers_ready, hold_poll
         self.version: int | None = None  # allocation version last written
         self.error: BaseException | None = None
+        self.holding = False  # a grown list waits for newcomers_ready()
         self._text: str | None = None
+        self._hosts: dict[str, int] | None = None  # the list last written
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.values = ValueLog(log)  # a malformed allocation is said once per revision
@@ -131,12 +145,21 @@ class HostsFileMirror:
         except MessageError:  # logged by self.values; the hosts file stays as it was
             return False
         addresses = self.addresses() if callable(self.addresses) else self.addresses
-        text = format_hosts(hosts_from_allocation(alloc, addresses))
-        self.version = alloc.version if alloc is not None else None
+        hosts = hosts_from_allocation(alloc, addresses)
+        text = format_hosts(hosts)
         if text == self._text:
+            self.holding = False
+            self.version = alloc.version if alloc is not None else None
+            return False
+        grows = self._hosts is not None and any(
+            n > self._hosts.get(host, 0) for host, n in hosts)
+        self.holding = grows and self.newcomers_ready is not None and \
+            not self.newcomers_ready()
+        if self.holding:
             return False
         write_hosts_file(self.hosts_file, text)
-        self._text = text
+        self._text, self._hosts = text, dict(hosts)
+        self.version = alloc.version if alloc is not None else None
         return True
 
     def start(self) -> HostsFileMirror:
@@ -151,7 +174,8 @@ class HostsFileMirror:
         rev = self.store.revision()
         while not self._stop.is_set():
             try:
-                events = self.store.wait(key, rev, self.wait_timeout)
+                events = self.store.wait(
+                    key, rev, self.hold_poll if self.holding else self.wait_timeout)
                 if events:
                     rev = events[-1].revision
                 self.refresh()  # also after a timeout: cheap, and heals any missed event

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -81,6 +82,40 @@ def test_mirror_follows_allocation_and_cat_script_reads_it(embedded, tmp_path, c
         assert mirror.version == 2
     said = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("ignoring malformed jobs/j1/allocation"), said
+
+
+def test_mirror_holds_growth_until_newcomers_are_ready(embedded, tmp_path):
+    """The gate (warm.WarmStart.ready): a list adding slots is written only once it says
+    yes - asked again meanwhile, while the old list stays - and one removing slots at
+    once."""
+    _, store = embedded
+    key, hosts = keys.job("j3", "allocation"), tmp_path / "hosts"
+    store.put(key, encode(Allocation(1, ("localhost",) * 2)))
+    ready, asked = threading.Event(), []
+
+    def gate() -> bool:
+        asked.append(ready.is_set())
+        return ready.is_set()
+
+    with HostsFileMirror(store, "j3", hosts, newcomers_ready=gate) as mirror:
+        assert hosts.read_text() == "localhost:2\n" and not asked  # the first: at once
+        store.put(key, encode(Allocation(2, ("localhost",) * 4)))
+        assert _wait_for(lambda: len(asked) >= 3)  # asked, and asked again
+        assert hosts.read_text() == "localhost:2\n" and mirror.holding
+        assert mirror.version == 1
+        ready.set()
+        assert _wait_for(lambda: hosts.read_text() == "localhost:4\n")
+        assert not mirror.holding and mirror.version == 2 and asked[-1]
+        ready.clear()
+        n = len(asked)
+        store.put(key, encode(Allocation(3, ("localhost",))))  # shrinking: not gated
+        assert _wait_for(lambda: hosts.read_text() == "localhost:1\n")
+        assert len(asked) == n
+        store.put(key, encode(Allocation(4, ("localhost", "n2"))))  # a new host: gated
+        assert _wait_for(lambda: len(asked) > n)
+        assert hosts.read_text() == "localhost:1\n"
+        ready.set()
+        assert _wait_for(lambda: hosts.read_text() == "localhost:1\nn2:1\n")
 
 
 def test_discover_entry_point_reads_the_store(embedded):
