@@ -139,8 +139,9 @@ class JobHints:
     progress: float = within(0.0, 1e15, 0.0)
     restarts: int = within(0, MAX_INT, 0)
     timestamp: float = within(*_TIME, 0.0)
-    # bytes of training state a newcomer receives (the live rescale's broadcast)
-    state_bytes: int | None = within(0, 1 << 50, None)
+    # seconds the survivors paused in the job's recent live rescales (the dearest of the
+    # last few): the coordinator's measured delta for this job's re-allocation penalty
+    rescale_s: float | None = within(0.0, 86400.0, None)
 
     def __post_init__(self) -> None:
         lo, hi = self.local_bsz_bounds

@@ -8,9 +8,10 @@ is the policy's job) and the exploration cap bounds how far it may grow.
 
 By kind of elasticity (``JobSpec.elasticity``):
 
-* ``live``: a change costs the calibrated live pause for the job's state
-  (:class:`~pollux_launch.policy.rescale_cost.RescaleCost`, its ``state_bytes`` hint or
-  a default), or the policy's delta where the operator set ``--realloc-delay``;
+* ``live``: a change costs the survivors' pause the job measured (its ``rescale_s``
+  hint), before that the calibrated live pause
+  (:class:`~pollux_launch.policy.rescale_cost.RescaleCost`) for a typical state, or the
+  operator's ``--realloc-delay`` where set;
 * ``restart``: a change costs its measured restart time (``JobGeneration.restart_s``),
   the calibrated torchrun-style restart before one was measured;
 * ``fixed``: never resized or moved once running (not preemptible).
@@ -88,16 +89,20 @@ def job_info(
     fixed delta for live jobs (``--realloc-delay``), overriding the calibration."""
     max_replicas = spec.max_replicas
     delay = None
-    state = (hints.state_bytes if hints is not None and hints.state_bytes is not None
-             else DEFAULT_STATE_BYTES)
+    state = DEFAULT_STATE_BYTES  # (the job's own is unknown: its measured pause is better)
     replicas = max(1, allocation.num_replicas if allocation else spec.initial_replicas)
     if spec.elasticity == "restart":
         measured = generation.restart_s if generation is not None else None
         delay = (measured if measured is not None
                  else (cost or RescaleCost()).expected_stall("restart", state, replicas))
     elif spec.elasticity == "live":
-        delay = (live_delay if live_delay is not None
-                 else (cost or RescaleCost()).expected_stall("live", state, replicas))
+        measured = hints.rescale_s if hints is not None else None
+        if live_delay is not None:
+            delay = live_delay
+        elif measured is not None:
+            delay = measured
+        else:
+            delay = (cost or RescaleCost()).expected_stall("live", state, replicas)
     if speedup_fn is None:
         speedup_fn = prior_speedup(spec.initial_replicas,
                                    None if spec.reports_goodput else spec.max_replicas)

@@ -181,6 +181,14 @@ class FrameworkHooks(Protocol):
         ...
 
 
+def recent_pause(rescales: list[dict[str, Any]], last: int = 5) -> float | None:
+    """The dearest survivors' pause of the last ``last`` allocation-driven rescales (a grow
+    costs more than a shrink: the policy's delta is what a change may cost), or None."""
+    pauses = [r["pause_s"] for r in rescales if r.get("reason") == "allocation"
+              and isinstance(r.get("pause_s"), float)]
+    return max(pauses[-last:]) if pauses else None
+
+
 class HintsReporter:
     """Rank 0's path for the job's hints to the store (Pollux Sec. 4.1's reports).
 
@@ -455,12 +463,14 @@ class ElasticController:
         return int(min(self.decide_every, max(1, round(VOTE_PERIOD_S / step))))
 
     def _report(self, force: bool, batch: tuple[int, int] | None = None) -> None:
+        """Rank 0's hints to the store when due (``force``: now)."""
         if self.reporter is None or not (force or self.tuner.report_due()):
             return
         g = self.group
         m, s = batch or self.hooks.batch()
         self.reporter.report(self.tuner, lambda: self.tuner.hints(
-            g.num_nodes, g.world_size, m, s, restarts=max(0, self.resets - 1)))
+            g.num_nodes, g.world_size, m, s, restarts=max(0, self.resets - 1),
+            rescale_s=recent_pause(self.rescales)))
 
     # -- durable state --------------------------------------------------------------------
     def save_checkpoint(self, wait: bool = True) -> None:

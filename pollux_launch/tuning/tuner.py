@@ -194,7 +194,8 @@ class GoodputTuner:
 
     # -- reporting -------------------------------------------------------------------
     def hints(
-        self, num_nodes: int, num_replicas: int, local_bsz: int, accum_steps: int, restarts: int = 0
+        self, num_nodes: int, num_replicas: int, local_bsz: int, accum_steps: int,
+        restarts: int = 0, rescale_s: float | None = None,
     ) -> JobHints:
         cfg = self.config
         perf, grad = self.perf_params(), self._grad_stats()
@@ -217,6 +218,7 @@ class GoodputTuner:
             progress=self.progress.iterations,
             restarts=restarts,
             timestamp=time.time(),
+            rescale_s=rescale_s,
         )
 
     def report_due(self) -> bool:

@@ -78,13 +78,16 @@ def test_fixed_job_is_never_resized_or_moved():
         assert out.sum(axis=1)[1] >= 1 and out.sum(axis=0).max() <= 4
 
 
-def test_live_job_delta_is_the_calibrated_pause_for_its_reported_state():
-    """A live job's penalty delta grows with the state a grow must broadcast (its hint)."""
+def test_live_job_delta_is_its_measured_pause_else_the_calibrated_one():
+    """A live job's penalty delta: the pause it reported (rescale_s), before that the
+    calibrated model's for a typical state, and the operator's --realloc-delay over both."""
     cost = RescaleCost(grow_s=0.1, per_replica_s=0.0, broadcast_bps=1e9)
     hints = JobHints(init_batch_size=32, max_batch_size=256, local_bsz_bounds=(8, 64),
-                     state_bytes=2_000_000_000)
+                     rescale_s=2.1)
     alloc = Allocation(version=2, nodes=("a", "a"))
-    small = job_info(spec("l", "live", 1, 4), None, alloc, 1100.0, cost=cost)
-    big = job_info(spec("l", "live", 1, 4), hints, alloc, 1100.0, cost=cost)
-    assert small.realloc_delay == 0.1 + DEFAULT_STATE_BYTES / 1e9
-    assert big.realloc_delay == 2.1
+    modelled = job_info(spec("l", "live", 1, 4), None, alloc, 1100.0, cost=cost)
+    measured = job_info(spec("l", "live", 1, 4), hints, alloc, 1100.0, cost=cost)
+    assert modelled.realloc_delay == 0.1 + DEFAULT_STATE_BYTES / 1e9
+    assert measured.realloc_delay == 2.1
+    assert job_info(spec("l", "live", 1, 4), hints, alloc, 1100.0, cost=cost,
+                    live_delay=5.0).realloc_delay == 5.0
