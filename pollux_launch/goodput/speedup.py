@@ -71,9 +71,11 @@ class SpeedupFunction:
         values = self._table[n, k]
         missing = np.isnan(values)
         if missing.any():
-            pairs = np.unique(np.stack([n[missing], k[missing]]), axis=1)
-            good, _, _ = self._goodput_fn.optimize(pairs[0], pairs[1], **self._kwargs)
-            self._table[pairs[0], pairs[1]] = good
+            cols = self._table.shape[1]  # (a 1-D unique of n*cols+k: ~3x a 2-D one's speed)
+            flat = np.unique(n[missing] * cols + k[missing])
+            pn, pk = flat // cols, flat % cols
+            good, _, _ = self._goodput_fn.optimize(pn, pk, **self._kwargs)
+            self._table[pn, pk] = good
             values = self._table[n, k]
         return values
 

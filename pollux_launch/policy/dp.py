@@ -30,6 +30,13 @@ worst 0.67x its fitness), this gives mean 1.00x, worst 0.99x.
 The knapsack is solved exactly over every count when that is cheap (J * G^2 small);
 on large clusters a Lagrangian relaxation first finds near-optimal counts, and the
 exact (GPU-only) DP then searches a window of counts around them.
+
+Speed (``benchmarks/policy_scale.py``): each raw speedup is fetched from a job's
+``speedup_fn`` once per round and (nodes, replicas), mostly in one call per job; the DPs
+drop options an earlier one matches or beats (which they could never pick), and the
+two-resource DP runs only where the GPU-only optimum does not fit the nodes; the greedy
+fill keeps each job's costs of growing by ``a`` replicas and only re-reads the free slots
+per step; the local search scores every move at once by the change in sum_j SPEEDUP_j^p.
 """
 
 from __future__ import annotations
@@ -60,6 +67,89 @@ from pollux_launch.policy.placement import (
 _LOG_HEADROOM = 600.0
 
 
+class _Speedups:
+    """SPEEDUP_j of one round (Eqn 15 with the re-allocation penalty), exactly as
+    ``Objective.speedups`` computes it, with every raw speedup fetched from the job's
+    ``speedup_fn`` once per (nodes, replicas): packing and local search ask for the same
+    few placements of a job many times, and on large clusters ``Objective`` keeps no
+    memo (its table would be dense, jobs x nodes x GPUs). The memo is sparse: sorted
+    codes of (job, nodes, replicas) and their raw speedups."""
+
+    def __init__(self, obj: Objective) -> None:
+        self.obj = obj
+        # Replicas asked about: at most the cluster, a fair share (>= min_replicas) or
+        # a current row; a malformed current beyond this is served without the memo.
+        k_max = max([int(obj.slots.sum()), *(j.min_replicas for j in obj.jobs)])
+        k_max = max(k_max, int(obj.current.sum(axis=1).max(initial=0)))
+        self._radix = (obj.slots.size + 1, k_max + 1)  # code = (job*N' + nodes)*K' + k
+        self._codes = np.zeros(0, dtype=np.int64)
+        self._raw = np.zeros(0)
+
+    def fetch(self, j: int, nn: np.ndarray, kk: np.ndarray) -> np.ndarray:
+        """Raw speedups of job ``j`` from its ``speedup_fn`` (one call)."""
+        return call_speedup(self.obj.jobs[j], nn, kk)
+
+    def record(self, jj, nn, kk, raw) -> None:
+        """Keep raw speedups fetched at (job, nodes, replicas) (int arrays, equal shapes)."""
+        codes, first = np.unique(self._code(jj, nn, kk), return_index=True)
+        pos, hit = self._find(codes)
+        self._codes = np.insert(self._codes, pos[~hit], codes[~hit])
+        self._raw = np.insert(self._raw, pos[~hit], np.asarray(raw, dtype=float)[first][~hit])
+
+    def _code(self, jj, nn, kk) -> np.ndarray:
+        n_radix, k_radix = self._radix
+        return (np.asarray(jj, dtype=np.int64) * n_radix + nn) * k_radix + kk
+
+    def _find(self, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pos = np.searchsorted(self._codes, codes)
+        if self._codes.size == 0:
+            return pos, np.zeros(codes.shape, dtype=bool)
+        return pos, self._codes[np.minimum(pos, self._codes.size - 1)] == codes
+
+    def raw(self, jj, nn, kk) -> np.ndarray:
+        """Raw speedups at (job, nodes, replicas) (int arrays that broadcast together);
+        one ``speedup_fn`` call per job with any not fetched yet."""
+        jj, nn, kk = (np.asarray(x, dtype=np.int64) for x in (jj, nn, kk))
+        if kk.size and (kk.max() >= self._radix[1] or nn.max() >= self._radix[0]):
+            return self._direct(*np.broadcast_arrays(jj, nn, kk))
+        codes = self._code(jj, nn, kk)
+        pos, hit = self._find(codes)
+        if not hit.all():
+            miss = np.unique(codes[~hit])
+            n_radix, k_radix = self._radix
+            mj, mn, mk = miss // (n_radix * k_radix), miss // k_radix % n_radix, miss % k_radix
+            raw = np.zeros(miss.size)
+            for j in np.unique(mj).tolist():
+                raw[mj == j] = self.fetch(j, mn[mj == j], mk[mj == j])
+            self.record(mj, mn, mk, raw)
+            pos = self._find(codes)[0]
+        return self._raw[pos]
+
+    def _direct(self, jj, nn, kk) -> np.ndarray:
+        """Raw speedups straight from the jobs' ``speedup_fn`` (one call per job)."""
+        out = np.zeros(kk.shape)
+        for j in np.unique(jj).tolist():
+            out[jj == j] = self.fetch(j, nn[jj == j], kk[jj == j])
+        return out
+
+    def value(self, jj, nn, kk, changed) -> np.ndarray:
+        """Normalised speedups, penalised where the placement changed (Eqn 15); the
+        arguments broadcast together."""
+        s = self.raw(jj, nn, kk) / self.obj.norm[jj]
+        return np.where(changed, s * self.obj.penalty[jj], s)
+
+    def speedups(self, alloc: np.ndarray) -> np.ndarray:
+        """Per-job speedups of allocations ``(..., J, N)``, as ``Objective.speedups``."""
+        alloc = np.asarray(alloc)
+        changed = np.any(alloc != self.obj.current, axis=-1)
+        jj = np.arange(alloc.shape[-2])
+        return self.value(jj, np.count_nonzero(alloc, axis=-1), alloc.sum(axis=-1), changed)
+
+    def fitness(self, alloc: np.ndarray) -> np.ndarray:
+        """FITNESS_p (Eqn 14) of allocations ``(..., J, N)``."""
+        return fitness(self.speedups(alloc), self.obj.p, self.obj.eps)
+
+
 class DPPolicy(Policy):
     """Knapsack DP over GPU counts + packing (see module docstring)."""
 
@@ -88,46 +178,61 @@ class DPPolicy(Policy):
         self.room_budget = int(room_budget)  # (job, node, count) tries per move, about
 
     # ----------------------------------------------------------------- tables
-    def _tables(self, obj: Objective, cur: np.ndarray, pinned: np.ndarray, stay_ok, G):
-        """Per job: allowed counts, their speedups, and the unpenalised stay speedup.
+    def _tables(self, memo: _Speedups, cur: np.ndarray, pinned: np.ndarray, stay_ok, G):
+        """Per job: allowed counts, their speedups when moved there (penalised), and the
+        unpenalised speedup of staying put.
 
         One ``speedup_fn`` call per job covers every count, the current placement and the
-        fair-share normaliser (Eqn 15), which is set on ``obj`` here.
+        fair-share normaliser (Eqn 15), which is set on ``obj`` here; it also fetches the
+        small counts spread over one node more than packed, which packing fragmented
+        nodes and the local search ask for (a pair more costs far less than a call).
         """
+        obj = memo.obj
         jobs = obj.jobs
         share = fair_share(jobs, [PolicyNode("", int(s)) for s in obj.slots])
-        ks_all, vals, stay_val = [], [], np.zeros(len(jobs))
+        k_cur, n_cur = cur.sum(axis=1), np.count_nonzero(cur, axis=1)
+        top = np.where(pinned, 0, np.minimum([j.max_replicas for j in jobs], G))
+        width = np.maximum(top, share) + 1
+        packed = packed_nodes(np.arange(width.max(initial=1)), obj.slots)
+        k_sp = np.arange(2, 2 * int(obj.slots.max(initial=0)) + 1)
+        n_sp = packed_nodes(k_sp, obj.slots) + 1
+        spread = n_sp <= np.minimum(k_sp, obj.slots.size)
+        k_sp, n_sp = k_sp[spread], n_sp[spread]
+        ks_all, moved, stay_val, fetched = [], [], np.zeros(len(jobs)), []
         for j, job in enumerate(jobs):
-            k_cur = int(cur[j].sum())
-            top = 0 if pinned[j] else min(job.max_replicas, G)
-            ks = np.arange(max(top, share[j]) + 1, dtype=np.int64)
-            nn = np.append(packed_nodes(ks, obj.slots), np.count_nonzero(cur[j]))
-            raw = call_speedup(job, nn, np.append(ks, k_cur))
+            w, sp = width[j], k_sp <= top[j]
+            kk = np.concatenate([np.arange(w), k_cur[j : j + 1], k_sp[sp]])
+            nn = np.concatenate([packed[:w], n_cur[j : j + 1], n_sp[sp]])
+            raw = memo.fetch(j, nn, kk)
+            fetched.append((np.full(kk.size, j), nn, kk, raw))
             best = float(np.max(raw[1 : share[j] + 1], initial=0.0))
             obj.norm[j] = best if best > 0 else 1.0
             if pinned[j]:
-                ks_all.append(np.array([k_cur]))
-                vals.append(np.zeros(1))
+                ks_all.append(k_cur[j : j + 1])
+                moved.append(np.zeros(1))
                 continue
-            v = raw[: top + 1] / obj.norm[j]
-            ks = ks[: top + 1]
+            ks, v = kk[: top[j] + 1], raw[: top[j] + 1] / obj.norm[j]
             ok = (ks == 0) | (ks >= max(job.min_replicas, 1))
-            ks, v = ks[ok], v[ok] * obj.penalty[j]  # every count is a move ...
+            ks_all.append(ks[ok])
+            moved.append(v[ok] * obj.penalty[j])  # every count is a move ...
             if stay_ok[j]:  # ... except staying exactly where the job is
-                stay_val[j] = raw[-1] / obj.norm[j]
-                at = ks == k_cur
-                v[at] = np.maximum(v[at], stay_val[j])
-            ks_all.append(ks)
-            vals.append(v)
-        return ks_all, vals, stay_val
+                stay_val[j] = raw[w] / obj.norm[j]
+        memo.record(*(np.concatenate(x) for x in zip(*fetched, strict=True)))
+        return ks_all, moved, stay_val
 
     def _costs(self, vals: list[np.ndarray], eps: float) -> tuple[list[np.ndarray], float]:
         """Scaled per-job costs to minimise: sign * exp(p*log(v+eps) - C)."""
-        z = [self.p * np.log(v + eps) for v in vals]
-        zmax = max((float(np.max(x)) for x in z if x.size), default=0.0)
-        shift = zmax - _LOG_HEADROOM
+        z = self.p * np.log(np.concatenate([np.zeros(0), *vals]) + eps)  # all, then split
+        shift = float(z.max(initial=-np.inf)) if z.size else 0.0
+        shift -= _LOG_HEADROOM
         sign = 1.0 if self.p < 0 else -1.0
-        return [sign * np.exp(x - shift) for x in z], shift
+        costs = sign * np.exp(z - shift)
+        return np.split(costs, np.cumsum([v.size for v in vals])[:-1]), shift
+
+    def _cost(self, v: np.ndarray, eps: float) -> np.ndarray:
+        """Per-job cost (lower is better) of speedups ``v``: sign * (v + eps)^p."""
+        z = self.p * np.log(v + eps)
+        return np.exp(z) if self.p < 0 else -np.exp(z)
 
     # -------------------------------------------------------------- knapsack
     @staticmethod
@@ -163,6 +268,21 @@ class DPPolicy(Policy):
                 break
         return k_hi, k_lo
 
+    @staticmethod
+    def _undominated(ks: np.ndarray, ds: np.ndarray | None, c: np.ndarray) -> np.ndarray:
+        """Options that no earlier option matches or beats in GPUs, nodes and cost.
+
+        The DP table only falls as the budget grows, so such an option is never the
+        first minimum (argmin) at any budget: dropping it changes no choice.
+        ``ds=None``: GPUs only, ``ks`` ascending (a running minimum suffices).
+        """
+        if ds is None:
+            prev = np.minimum.accumulate(c)
+            return np.append(True, c[1:] < prev[:-1])
+        o = np.arange(ks.size)
+        dom = (ks[:, None] <= ks) & (ds[:, None] <= ds) & (c[:, None] <= c) & (o[:, None] < o)
+        return ~dom.any(axis=0)
+
     def _knapsack(self, ks_all, costs, G) -> np.ndarray:
         """Exact multiple-choice knapsack DP: min sum cost, sum k <= G."""
         J = len(ks_all)
@@ -178,19 +298,22 @@ class DPPolicy(Policy):
                 cand_ks.append(ks[keep])
                 cand_cs.append(c[keep])
             ks_all, costs = cand_ks, cand_cs
-        g = np.arange(G + 1)
-        dp = np.zeros(G + 1)
-        choice = []
+        # dp[g]: least cost with at most g GPUs, after kpad +inf entries for g < 0.
+        kpad = max(int(k.max(initial=0)) for k in ks_all)
+        dp = np.concatenate([np.full(kpad, np.inf), np.zeros(G + 1)])
+        at = np.arange(kpad, G + 1 + kpad)
+        choice, kept = [], []
         for ks, c in zip(ks_all, costs, strict=True):
-            idx = g[:, None] - ks[None, :]
-            m = np.where(idx >= 0, dp[np.maximum(idx, 0)] + c[None, :], np.inf)
-            best = np.argmin(m, axis=1)
-            dp = m[g, best]
-            choice.append(best)
+            keep = self._undominated(ks, None, c)
+            ks, c = ks[keep], c[keep]
+            m = dp[at - ks[:, None]] + c[:, None]  # (options, budgets)
+            choice.append(np.argmin(m, axis=0))
+            dp[kpad:] = m.min(axis=0)
+            kept.append(ks)
         out = np.zeros(J, dtype=np.int64)
         rem = G
         for j in range(J - 1, -1, -1):
-            k = int(ks_all[j][choice[j][rem]])
+            k = int(kept[j][choice[j][rem]])
             out[j] = k
             rem -= k
         return out
@@ -204,48 +327,51 @@ class DPPolicy(Policy):
         of its ``k`` GPUs. Minimises the sum of costs subject to sum k <= G and
         sum d <= D. Returns the chosen option index of each job.
         """
-        dp = np.zeros((G + 1, D + 1))
-        g = np.arange(G + 1)[:, None]
-        n = np.arange(D + 1)[:, None]
-        choice = []
+        # dp over (GPUs, nodes), padded with +inf rows and columns in front for budgets
+        # below zero, so that every option is a plain shifted gather of the flat table.
+        kpad = max(int(k.max(initial=0)) for k in ks_all)
+        dpad = max(int(d.max(initial=0)) for d in ds_all)
+        W = D + 1 + dpad
+        table = np.full((G + 1 + kpad, W), np.inf)
+        table[kpad:, dpad:] = 0.0
+        at = np.arange(kpad, G + 1 + kpad)[:, None] * W + np.arange(dpad, W)
+        choice, kept = [], []
         for ks, ds, c in zip(ks_all, ds_all, costs, strict=True):
-            gi = g - ks[None, :]  # (G+1, O)
-            ni = n - ds[None, :]  # (D+1, O)
-            m = dp[np.maximum(gi, 0)[:, None, :], np.maximum(ni, 0)[None, :, :]] + c
-            m[(gi < 0)[:, None, :] | (ni < 0)[None, :, :]] = np.inf
-            best = np.argmin(m, axis=2)
-            dp = np.take_along_axis(m, best[..., None], axis=2)[..., 0]
-            choice.append(best)
+            opts = np.flatnonzero(self._undominated(ks, ds, c))
+            shift = (ks[opts] * W + ds[opts])[:, None, None]
+            m = table.ravel()[at - shift] + c[opts][:, None, None]  # (O, G+1, D+1)
+            choice.append(np.argmin(m, axis=0))
+            table[kpad:, dpad:] = m.min(axis=0)
+            kept.append(opts)
         out = np.zeros(len(ks_all), dtype=np.int64)
         rg, rn = G, D
         for j in range(len(ks_all) - 1, -1, -1):
-            o = int(choice[j][rg, rn])
+            o = int(kept[j][choice[j][rg, rn]])
             out[j] = o
             rg -= int(ks_all[j][o])
             rn -= int(ds_all[j][o])
         return out
 
     # --------------------------------------------------------------- packing
-    def _row_cost(self, obj: Objective, j: int, rows: np.ndarray, cur_row: np.ndarray):
+    def _row_cost(self, memo: _Speedups, j: int, rows: np.ndarray, cur_row: np.ndarray):
         """Cost (lower is better) of candidate rows ``(M, N)`` for job ``j``."""
-        v = obj.job_speedup(
+        v = memo.value(
             j,
             np.count_nonzero(rows, axis=1),
             rows.sum(axis=1),
             np.any(rows != cur_row, axis=1),
         )
-        z = self.p * np.log(v + obj.eps)
-        return np.exp(z) if self.p < 0 else -np.exp(z)
+        return self._cost(v, memo.obj.eps)
 
     def _valid_count(self, job: JobInfo, k: int) -> bool:
         return k == 0 or job.min_replicas <= k <= job.max_replicas
 
-    def _pack(self, obj, cur, counts, fixed, pinned, small_first: bool = False):
+    def _pack(self, memo, cur, counts, fixed, pinned, small_first: bool = False):
         """Place the movers' counts around the fixed jobs, largest first; with
         ``small_first`` the single-node counts go first (best fit) and distributed jobs
         then spread over the holes they leave, which may fit both where largest-first
         leaves a small job no node with room."""
-        jobs, slots = obj.jobs, obj.slots
+        jobs, slots = memo.obj.jobs, memo.obj.slots
         ia = self.interference_avoidance
         alloc = np.zeros_like(cur)
         alloc[fixed] = cur[fixed]
@@ -265,63 +391,108 @@ class DPPolicy(Policy):
                 rows = np.array(rows).reshape(len(rows), -1)
                 if rows.shape[0] == 0:
                     continue
-                row = rows[int(np.argmin(self._row_cost(obj, j, rows, cur[j])))]
+                row = rows[int(np.argmin(self._row_cost(memo, j, rows, cur[j])))]
             alloc[j] = row
             free -= row
             if np.count_nonzero(row) > 1:
                 has_dist |= row > 0
-        self._fill(obj, cur, alloc, free, pinned)
+        self._fill(memo, cur, alloc, free, pinned)
         return alloc
 
-    def _fill(self, obj, cur, alloc, free, pinned) -> None:
-        """Offer left-over slots to jobs that gain from them (greedy, in place).
+    def _fill(self, memo, cur, alloc, free, pinned) -> None:
+        """Offer left-over slots to jobs that gain from them (greedy, in place): each step
+        grows the job that gains most by ``a`` replicas on one of its nodes (any node for
+        a job with none), so interference avoidance cannot be broken.
 
-        Candidates keep the job's set of nodes, or start a job on one node, so
-        interference avoidance cannot be broken.
+        A job's candidates differ only in ``a`` (its node count stays) except at most
+        one (node, a) that returns it to its current row (no penalty), so its costs are
+        tabulated per ``a`` when its row changes and a step only reads the free slots.
         """
-        jobs = obj.jobs
-        for _ in range(int(free.sum())):
-            open_nodes = np.flatnonzero(free > 0)
-            if open_nodes.size == 0:
+        amax = int(free.max(initial=0))
+        if amax <= 0:
+            return
+        J = alloc.shape[0]
+        tab = {
+            "q": np.full((J, amax), np.inf),  # cost of growing by a = 1..amax
+            "qe": np.full(J, np.inf),  # cost of returning to the current row ...
+            "ne": np.zeros(J, dtype=np.int64),  # ... by adding ae on node ne
+            "ae": np.zeros(J, dtype=np.int64),
+            "c0": np.zeros(J),  # cost of the row as it is
+        }
+        self._fill_costs(memo, cur, alloc, free, np.flatnonzero(~pinned), tab)
+        a = np.arange(1, amax + 1)
+        while np.any(free > 0):
+            best = np.where(a <= self._fill_room(alloc, free)[:, None], tab["q"], np.inf)
+            best = best.min(axis=1)
+            ret = free[tab["ne"]] >= np.maximum(tab["ae"], 1)
+            best = np.where(ret, np.minimum(best, tab["qe"]), best)
+            gain = best - tab["c0"]
+            neg = np.flatnonzero(gain < 0)
+            top, j = 0.0, -1  # the first strictly best job, as a scan in job order picks
+            cands = zip(neg.tolist(), gain[neg].tolist(), tab["c0"][neg].tolist(), strict=True)
+            for x, g, c in cands:
+                if g < top - 1e-12 * abs(c):
+                    top, j = g, x
+            if j < 0:
                 return
-            best = (0.0, -1, None)
-            k_all = alloc.sum(axis=1)
-            near = (k_all == 0) | (alloc[:, open_nodes] > 0).any(axis=1)
-            for j in np.flatnonzero(near & ~pinned):
-                job = jobs[j]
-                row = alloc[j]
-                k = int(row.sum())
-                room = job.max_replicas - k
-                if room <= 0:
-                    continue
-                used = np.flatnonzero(row)
-                targets = open_nodes if k == 0 else np.intersect1d(used, open_nodes)
-                if used.size > 1 and not targets.size:
-                    continue
-                cands = []
-                for n in targets:
-                    for a in range(1, min(int(free[n]), room) + 1):
-                        if k + a < job.min_replicas:
-                            continue
-                        r = row.copy()
-                        r[n] += a
-                        cands.append(r)
-                if not cands:
-                    continue
-                rows = np.array(cands)
-                both = np.vstack([row[None, :], rows])
-                c = self._row_cost(obj, j, both, cur[j])
-                gain = c[1:] - c[0]
-                i = int(np.argmin(gain))
-                if gain[i] < best[0] - 1e-12 * abs(c[0]):
-                    best = (float(gain[i]), j, rows[i])
-            if best[1] < 0:
-                return
-            j, r = best[1], best[2]
-            free -= r - alloc[j]
-            alloc[j] = r
+            n, add = self._fill_choice(memo, cur, alloc[j], j, free, tab["c0"][j])
+            alloc[j, n] += add
+            free[n] -= add
+            self._fill_costs(memo, cur, alloc, free, np.array([j]), tab)
 
-    def _make_room(self, obj, cur, alloc, pinned) -> np.ndarray:
+    @staticmethod
+    def _fill_room(alloc: np.ndarray, free: np.ndarray) -> np.ndarray:
+        """Most replicas each job could add on one node: the free slots of its fullest-
+        free node, or of any node for a job with none."""
+        near = np.where(alloc > 0, free, 0).max(axis=1, initial=0)
+        return np.where(alloc.sum(axis=1) == 0, free.max(initial=0), near)
+
+    def _fill_costs(self, memo, cur, alloc, free, js, tab) -> None:
+        """Fill ``tab`` for jobs ``js`` (see :meth:`_fill`) from their rows of ``alloc``;
+        growth beyond today's free slots is never possible later, so never looked up."""
+        obj = memo.obj
+        A = alloc[js]
+        k, nn = A.sum(axis=1), np.count_nonzero(A, axis=1)
+        lo = np.array([obj.jobs[j].min_replicas for j in js], dtype=np.int64) - k
+        room = np.array([obj.jobs[j].max_replicas for j in js], dtype=np.int64) - k
+        room = np.minimum(room, self._fill_room(A, free))
+        nodes = np.where(k > 0, nn, 1)  # grows on a node it uses, or starts on one
+        a = np.arange(1, tab["q"].shape[1] + 1)
+        r, c = np.nonzero((a >= lo[:, None]) & (a <= room[:, None]))
+        tab["q"][js] = np.inf
+        v = memo.value(js[r], nodes[r], k[r] + a[c], True)
+        tab["q"][js[r], c] = self._cost(v, obj.eps)
+        # The one step back to the current row: it differs at one node, by too few.
+        diff = A - cur[js]
+        ne = np.argmax(diff != 0, axis=1)
+        ae = -diff[np.arange(js.size), ne]
+        ok = (np.count_nonzero(diff, axis=1) == 1) & (ae > 0) & (ae >= lo) & (ae <= room)
+        ok &= (k == 0) | (A[np.arange(js.size), ne] > 0)
+        tab["ne"][js], tab["ae"][js], tab["qe"][js] = ne, np.where(ok, ae, 0), np.inf
+        v = memo.value(js[ok], nodes[ok], k[ok] + ae[ok], False)
+        tab["qe"][js[ok]] = self._cost(v, obj.eps)
+        v = memo.value(js, nn, k, np.any(diff != 0, axis=1))
+        tab["c0"][js] = self._cost(v, obj.eps)
+
+    def _fill_choice(self, memo, cur, row, j, free, c0) -> tuple[int, int]:
+        """The (node, a) a fill step gives job ``j``: its first cheapest candidate in
+        (node, a) order."""
+        job = memo.obj.jobs[j]
+        k = int(row.sum())
+        open_nodes = np.flatnonzero(free > 0)
+        targets = open_nodes if k == 0 else open_nodes[row[open_nodes] > 0]
+        a = np.arange(1, int(free.max()) + 1)
+        limit = np.minimum(free[targets], job.max_replicas - k)
+        t, i = np.nonzero((a <= limit[:, None]) & (k + a >= job.min_replicas))
+        n, add = targets[t], a[i]
+        diff = row - cur[j]
+        dn = diff[n]
+        changed = np.count_nonzero(diff) - (dn != 0) + (dn + add != 0) > 0
+        v = memo.value(j, np.count_nonzero(row) + (row[n] == 0), k + add, changed)
+        best = int(np.argmin(self._cost(v, memo.obj.eps) - c0))
+        return int(n[best]), int(add[best])
+
+    def _make_room(self, memo, cur, alloc, pinned) -> np.ndarray:
         """Local search after packing: a job takes ``k`` GPUs on one node, shrinking the
         jobs already there (largest first) to make room, or leaves one of its nodes; the
         best improving move, repeated.
@@ -333,72 +504,154 @@ class DPPolicy(Policy):
         p < 0 values most. Only the changed jobs' speedups are evaluated; on large
         clusters the moves are tried for the least-sped-up jobs only.
         """
-        jobs, slots = obj.jobs, obj.slots
-        J, N = alloc.shape
-        mins = np.array([j.min_replicas for j in jobs])
-        S = obj.speedups(alloc)
+        obj = memo.obj
+        N = alloc.shape[1]
+        S = memo.speedups(alloc)
         best_f = float(fitness(S, self.p, obj.eps))
         movable = np.flatnonzero(~pinned)
-        per_job = N * int(slots.max(initial=1))
+        per_job = N * int(obj.slots.max(initial=1))
         movable = movable[np.argsort(S[movable], kind="stable")]
         movable = movable[: max(1, self.room_budget // max(per_job, 1))]
         for _ in range(self.room_moves):
-            moves: list[list[tuple[int, np.ndarray]]] = []
-            for j in movable:
-                k_now, job = int(alloc[j].sum()), jobs[j]
-                for n in range(N):
-                    top = min(int(slots[n]), job.max_replicas)
-                    free_n = int(slots[n] - alloc[:, n].sum() + alloc[j, n])
-                    donors = np.argsort(-alloc[:, n], kind="stable")
-                    for k in range(max(k_now + 1, job.min_replicas, 1), top + 1):
-                        need = k - free_n
-                        row = np.zeros(N, dtype=np.int64)
-                        row[n] = k
-                        change = [(int(j), row)]
-                        for d in donors:
-                            if need <= 0 or alloc[d, n] == 0:
-                                break
-                            if pinned[d] or d == j:
-                                continue
-                            take = min(need, int(alloc[d, n]))
-                            need -= take
-                            r = alloc[d].copy()
-                            r[n] -= take
-                            change.append((int(d), r if r.sum() >= mins[d] else np.zeros_like(r)))
-                        if need <= 0:
-                            moves.append(change)
-                for n in np.flatnonzero(alloc[j]):  # leave a node (e.g. a partial one)
-                    r = alloc[j].copy()
-                    r[n] = 0
-                    if r.sum() >= max(job.min_replicas, 1):
-                        moves.append([(int(j), r)])
-            if not moves:
+            move = self._best_move(memo, cur, alloc, pinned, movable, S)
+            if move is None:
                 break
-            cidx, jidx, rows = [], [], []
-            for c, change in enumerate(moves):
-                for x, r in change:
-                    cidx.append(c)
-                    jidx.append(x)
-                    rows.append(r)
-            cidx, jidx, rows = np.array(cidx), np.array(jidx), np.array(rows)
-            cand = np.broadcast_to(S, (len(moves), J)).copy()
-            for x in np.unique(jidx):
-                sel = jidx == x
-                r = rows[sel]
-                cand[cidx[sel], x] = obj.job_speedup(
-                    x, np.count_nonzero(r, axis=1), r.sum(axis=1), np.any(r != cur[x], axis=1)
-                )
-            f = fitness(cand, self.p, obj.eps)
-            i = int(np.argmax(f))
-            if f[i] <= best_f * (1 + 1e-9):
+            new = alloc.copy()
+            for x, r in move:
+                new[x] = r
+            if float(memo.fitness(new)) <= best_f * (1 + 1e-9):
                 break
-            alloc = alloc.copy()
-            for x, r in moves[i]:
-                alloc[x] = r
-            self._fill(obj, cur, alloc, slots - alloc.sum(axis=0), pinned)
-            S = obj.speedups(alloc)
+            alloc = new
+            self._fill(memo, cur, alloc, obj.slots - alloc.sum(axis=0), pinned)
+            S = memo.speedups(alloc)
             best_f = float(fitness(S, self.p, obj.eps))
         return alloc
+
+    def _best_move(self, memo, cur, alloc, pinned, movable, S):
+        """The local-search move of :meth:`_make_room` that most lowers
+        sign * sum_j (SPEEDUP_j + eps)^p (so raises FITNESS_p, Eqn 14), as
+        ``[(job, new row), ...]``, or None when there is none.
+
+        Every move is scored at once from the speedups of the jobs it changes, on
+        (mover, node, k, donor) arrays: a node's donors give up replicas largest first,
+        so a donor's cut is what is still needed after the donors before it, up to its
+        replicas there. Ties go to the first move in (mover, node, k) order.
+        """
+        obj = memo.obj
+        N, K = alloc.shape[1], int(obj.slots.max(initial=0))
+        if movable.size == 0 or K == 0:
+            return None
+        js, kk = movable, np.arange(1, K + 1)
+        donor, amt, (dn, di, t, d), v_don = self._donor_values(memo, cur, alloc, pinned, K)
+        fit, (pm, pk), v_move, leave_ok, (lm, ln), v_leave = self._mover_values(
+            memo, cur, alloc, js, K
+        )
+        # Costs on one scale, so that none overflows.
+        z = [self.p * np.log(v + obj.eps) for v in (S, v_don, *v_move, v_leave)]
+        shift = max(float(x.max(initial=-np.inf)) for x in z)
+        sign = 1.0 if self.p < 0 else -1.0
+        c_now, c_don, c_pen, c_back, c_leave = (sign * np.exp(x - shift) for x in z)
+        gain_don = np.zeros((N, donor.shape[1], K + 1))  # [node, donor rank, cut]
+        gain_don[dn, di, t] = c_don - c_now[d]
+        c_move = np.zeros((2, js.size, K))  # [moved / back where it is, mover, k]
+        c_move[:, pm, pk] = c_pen, c_back
+        # Take moves: mover js[m] gets kk on node n, the donors there cutting `cut`.
+        rows = alloc[js]
+        need = kk - (obj.slots - alloc.sum(axis=0) + rows)[:, :, None]
+        have = np.where(donor[None] == js[:, None, None], 0, amt[None])  # not the mover
+        before = np.cumsum(have, axis=2) - have
+        cut = np.clip(need[..., None] - before[:, :, None, :], 0, have[:, :, None, :])
+        ok = fit[:, None, :] & (kk <= obj.slots[:, None]) & (need <= have.sum(axis=2)[..., None])
+        gain = gain_don[np.arange(N)[:, None, None], np.arange(donor.shape[1]), cut].sum(axis=3)
+        back = (cur[js][:, :, None] == kk) & (cur[js].sum(axis=1)[:, None, None] == kk)
+        gain += np.where(back, c_move[1][:, None], c_move[0][:, None]) - c_now[js][:, None, None]
+        g_leave = np.zeros(rows.shape)
+        g_leave[lm, ln] = c_leave - c_now[js][lm]
+        scores = np.concatenate([gain.reshape(js.size, -1), g_leave], axis=1).ravel()
+        valid = np.flatnonzero(np.concatenate([ok.reshape(js.size, -1), leave_ok], axis=1))
+        if valid.size == 0:
+            return None
+        m, rest = divmod(int(valid[np.argmin(scores[valid])]), N * K + N)
+        return self._move_rows(memo, alloc, int(js[m]), rest, donor, cut[m])
+
+    @staticmethod
+    def _move_rows(memo, alloc, j, rest, donor, cut) -> list[tuple[int, np.ndarray]]:
+        """The changed rows of mover ``j``'s move number ``rest`` (see :meth:`_best_move`):
+        node-major take moves (k = 1..K), then leaving each node."""
+        N, K = alloc.shape[1], cut.shape[1]
+        row = alloc[j].copy()
+        if rest >= N * K:  # leave a node
+            row[rest - N * K] = 0
+            return [(j, row)]
+        n, kidx = divmod(rest, K)
+        row[:] = 0
+        row[n] = kidx + 1
+        move = [(j, row)]
+        for x, take in zip(donor[n].tolist(), cut[n, kidx].tolist(), strict=True):
+            if take > 0:
+                r = alloc[x].copy()
+                r[n] -= take
+                keep = r.sum() >= memo.obj.jobs[x].min_replicas  # below its minimum: stops
+                move.append((x, r if keep else np.zeros_like(r)))
+        return move
+
+    def _donor_values(self, memo, cur, alloc, pinned, K):
+        """Per node the donors (see :meth:`_donors`) and each one's speedup after giving
+        up t = 1..its replicas there (0 when that takes it below its minimum), with their
+        (node, rank, t, job) indices."""
+        donor, amt = self._donors(alloc, pinned)
+        dn, di, dt = np.nonzero(amt[:, :, None] >= np.arange(1, K + 1))
+        d, t = donor[dn, di], dt + 1
+        left = alloc[d].sum(axis=1) - t
+        stays = left >= np.array([memo.obj.jobs[x].min_replicas for x in d.tolist()], dtype=int)
+        diff = alloc[d] - cur[d]
+        dd = diff[np.arange(d.size), dn]
+        changed = np.count_nonzero(diff, axis=1) - (dd != 0) + (dd - t != 0) > 0
+        v = memo.value(
+            d,
+            np.where(stays, np.count_nonzero(alloc[d], axis=1) - (t == alloc[d, dn]), 0),
+            np.where(stays, left, 0),
+            np.where(stays, changed, cur[d].any(axis=1)),
+        )
+        return donor, amt, (dn, di, t, d), v
+
+    @staticmethod
+    def _mover_values(memo, cur, alloc, js, K):
+        """Speedups of movers ``js``: on one node with k = 1..K (where allowed) moved or
+        back where it is, and after leaving each of their nodes; with their indices."""
+        jobs = memo.obj.jobs
+        mins = np.array([jobs[j].min_replicas for j in js.tolist()], dtype=np.int64)
+        maxs = np.array([jobs[j].max_replicas for j in js.tolist()], dtype=np.int64)
+        rows = alloc[js]
+        k_now = rows.sum(axis=1)
+        kk = np.arange(1, K + 1)
+        fit = (kk >= np.maximum(np.maximum(k_now + 1, mins), 1)[:, None]) & (kk <= maxs[:, None])
+        pm, pk = np.nonzero(fit)
+        v_move = [memo.value(js[pm], 1, kk[pk], moved) for moved in (True, False)]
+        left = k_now[:, None] - rows
+        leave_ok = (rows > 0) & (left >= np.maximum(mins, 1)[:, None])
+        lm, ln = np.nonzero(leave_ok)
+        diff = rows - cur[js]
+        dl = diff[lm, ln]
+        changed = np.count_nonzero(diff, axis=1)[lm] - (dl != 0) + (cur[js][lm, ln] != 0) > 0
+        v_leave = memo.value(js[lm], np.count_nonzero(rows, axis=1)[lm] - 1, left[lm, ln], changed)
+        return fit, (pm, pk), v_move, leave_ok, (lm, ln), v_leave
+
+    @staticmethod
+    def _donors(alloc: np.ndarray, pinned: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per node, the jobs that may give up replicas there, largest first (ties: job
+        order), padded with -1: ``donor[n, i]`` and its replicas ``amt[n, i]``."""
+        held = np.where(pinned[:, None], 0, alloc)
+        d, n = np.nonzero(held)
+        order = np.lexsort((d, -held[d, n], n))
+        d, n = d[order], n[order]
+        rank = np.arange(d.size) - np.searchsorted(n, n)
+        W = int(rank.max(initial=-1)) + 1
+        donor = np.full((alloc.shape[1], W), -1, dtype=np.int64)
+        amt = np.zeros((alloc.shape[1], W), dtype=np.int64)
+        donor[n, rank] = d
+        amt[n, rank] = held[d, n]
+        return donor, amt
 
     def _node_budget(self, obj: Objective, cur: np.ndarray, pinned: np.ndarray) -> int | None:
         """Nodes left for exclusive use after the pinned jobs, or None where the
@@ -418,27 +671,33 @@ class DPPolicy(Policy):
         nn = np.count_nonzero(rows, axis=1)
         return np.where(nn > 1, nn, (rows.sum(axis=1) >= slots).astype(np.int64))
 
-    def _solve_nodes(self, obj, cur, movable, ks_all, vals, stay_ok, stay_val, G, D):
+    def _solve_nodes(self, obj, cur, movable, ks_all, moved, stay_ok, stay_val, G, D):
         """Counts and stay decisions of the movable jobs by :meth:`_knapsack_nodes`.
 
         Moving to ``k`` GPUs is the packed placement (``packed_nodes(k)`` nodes, with
         the penalty); staying put is its own option with the job's current nodes.
+        The GPU-only knapsack relaxes the node budget, so where its exact answer fits
+        the nodes it is optimal here too (usually the case), and this DP is not run.
         """
         S = int(obj.slots[0])
+        nn_all = packed_nodes(np.arange(max(k.max(initial=0) for k in ks_all) + 1), obj.slots)
+        if sum(ks_all[j].size for j in movable) * (G + 1) <= self.full_dp_budget:
+            counts, stay = self._solve_counts(
+                obj, cur, movable, ks_all, moved, stay_ok, stay_val, G
+            )
+            nn = nn_all[counts]
+            held = np.where(nn > 1, nn, (counts >= S).astype(np.int64))
+            held = np.where(stay, self._exclusive_nodes(cur[movable], S), held)
+            if held.sum() <= D:
+                return counts, stay
         ks_opts, ds_opts, v_opts, is_stay = [], [], [], []
         for j in movable:
-            ks, v = ks_all[j], vals[j].copy()
-            k_cur = int(cur[j].sum())
-            if stay_ok[j]:
-                # _tables merged "stay" into the k_cur entry; split it out again.
-                at = ks == k_cur
-                moved_at = (v[at] if at.any() else np.zeros(1))
-                v[at] = np.minimum(moved_at, self._moved_value(obj, j, k_cur))
-            nn = packed_nodes(ks, obj.slots)
+            ks, v = ks_all[j], moved[j]
+            nn = nn_all[ks]
             ds = np.where(nn > 1, nn, (ks >= S).astype(np.int64))
             flag = np.zeros(ks.size, dtype=bool)
             if stay_ok[j]:
-                ks = np.append(ks, k_cur)
+                ks = np.append(ks, cur[j].sum())
                 ds = np.append(ds, self._exclusive_nodes(cur[j], S)[0])
                 v = np.append(v, stay_val[j])
                 flag = np.append(flag, True)
@@ -452,10 +711,24 @@ class DPPolicy(Policy):
         stay = np.array([is_stay[i][o] for i, o in enumerate(pick)], dtype=bool)
         return counts, stay
 
-    def _moved_value(self, obj: Objective, j: int, k: int) -> float:
-        """Normalised, penalised speedup of job ``j`` moved to a packed ``k`` GPUs."""
-        nn = packed_nodes(np.array([k]), obj.slots)
-        return float(obj.job_speedup(j, nn, np.array([k]), np.array([True]))[0])
+    def _solve_counts(self, obj, cur, movable, ks_all, moved, stay_ok, stay_val, G):
+        """Counts and stay decisions of the movable jobs by :meth:`_knapsack` (GPUs only):
+        a job's current count is worth the better of moving and staying."""
+        k_cur = cur.sum(axis=1)
+        vals = []
+        for j, (ks, v) in enumerate(zip(ks_all, moved, strict=True)):
+            if stay_ok[j]:
+                v = v.copy()
+                v[ks == k_cur[j]] = np.maximum(v[ks == k_cur[j]], stay_val[j])
+            vals.append(v)
+        costs, _ = self._costs(vals, obj.eps)
+        counts = self._knapsack([ks_all[j] for j in movable], [costs[j] for j in movable], G)
+        stay = np.zeros(movable.size, dtype=bool)
+        for i, j in enumerate(movable):
+            if stay_ok[j] and counts[i] == k_cur[j]:
+                at = moved[j][ks_all[j] == k_cur[j]]
+                stay[i] = stay_val[j] >= (at[0] if at.size else 0.0)
+        return counts, stay
 
     # -------------------------------------------------------------- optimize
     def optimize(
@@ -466,6 +739,7 @@ class DPPolicy(Policy):
         if J == 0 or N == 0:
             return np.zeros((J, N), dtype=np.int64)
         obj = Objective(jobs, nodes, cur, self.p, self.delta, norm=np.ones(J))
+        memo = _Speedups(obj)
         pinned = pinned_jobs(jobs, cur)
         free = np.maximum(obj.slots - cur[pinned].sum(axis=0), 0)
         G = int(free.sum())
@@ -473,43 +747,29 @@ class DPPolicy(Policy):
         over = cur.sum(axis=0) > obj.slots
         if self.interference_avoidance:
             over |= distributed_per_node(cur) > 1
-        stay_ok = np.array(
-            [
-                bool(cur[j].sum())
-                and self._valid_count(job, int(cur[j].sum()))
-                and not np.any(over & (cur[j] > 0))
-                for j, job in enumerate(jobs)
-            ]
-        )
-        ks_all, vals, stay_val = self._tables(obj, cur, pinned, stay_ok, G)
-        movable = np.flatnonzero(~pinned)
-        counts = cur.sum(axis=1).copy()
         k_cur = cur.sum(axis=1)
+        lo = np.array([j.min_replicas for j in jobs])
+        hi = np.array([j.max_replicas for j in jobs])
+        stay_ok = (k_cur > 0) & (lo <= k_cur) & (k_cur <= hi) & ~np.any(over & (cur > 0), 1)
+        ks_all, moved, stay_val = self._tables(memo, cur, pinned, stay_ok, G)
+        movable = np.flatnonzero(~pinned)
+        counts = k_cur.copy()
         stay = np.zeros(J, dtype=bool)
         two_d = self._node_budget(obj, cur, pinned) if movable.size else None
+        args = (obj, cur, movable, ks_all, moved, stay_ok, stay_val, G)
         if two_d is not None and (
             (G + 1) * (two_d + 1) * sum(ks_all[j].size + 1 for j in movable)
             <= self.full_dp_budget * 4
         ):
-            counts[movable], stay[movable] = self._solve_nodes(
-                obj, cur, movable, ks_all, vals, stay_ok, stay_val, G, two_d
-            )
-        else:
-            costs, _ = self._costs(vals, obj.eps)
-            if movable.size:
-                counts[movable] = self._knapsack(
-                    [ks_all[j] for j in movable], [costs[j] for j in movable], G
-                )
-            for j in movable:
-                if stay_ok[j] and counts[j] == k_cur[j]:
-                    moved = vals[j][ks_all[j] == k_cur[j]]
-                    stay[j] = stay_val[j] >= (moved[0] if moved.size else 0.0)
-        packs = [self._pack(obj, cur, counts, pinned | stay, pinned, small) for small in (0, 1)]
-        alloc = packs[int(np.argmax(obj(np.stack(packs))))]
-        alloc = self._make_room(obj, cur, alloc, pinned)
+            counts[movable], stay[movable] = self._solve_nodes(*args, two_d)
+        elif movable.size:
+            counts[movable], stay[movable] = self._solve_counts(*args)
+        packs = [self._pack(memo, cur, counts, pinned | stay, pinned, small) for small in (0, 1)]
+        alloc = packs[int(np.argmax(memo.fitness(np.stack(packs))))]
+        alloc = self._make_room(memo, cur, alloc, pinned)
         # Never worse than leaving everything as it is, when that is allowed.
         if not allocation_violations(cur, nodes, jobs, cur, self.interference_avoidance):
-            f_cur, f_new = obj(np.stack([cur, alloc]))
+            f_cur, f_new = memo.fitness(np.stack([cur, alloc]))
             if f_cur > f_new:
                 return cur.copy()
         return alloc
