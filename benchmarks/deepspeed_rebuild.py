@@ -1,10 +1,12 @@
 """Pause of surviving DeepSpeed workers per live rescale, through the real rendezvous.
 
     python benchmarks/deepspeed_rebuild.py [--stages 2,0] [--repeats 3]
+    python benchmarks/deepspeed_rebuild.py --stages 2 --optimizer adam --params 100M
 
-Real worker processes train a ~1M-parameter MLP (``--optimizer``: ``sgd``, SGD with
-momentum 0.9 as in ``benchmarks/rescale.py``'s native workers, so that both sides move the
-same state; or ``adam``, a third more state per parameter) with
+Real worker processes train ``benchmarks/rescale.py``'s MLP (~0.92M parameters, or
+``--params N``, e.g. 100M; ``--optimizer``: ``sgd``, SGD with momentum 0.9, or ``adam``,
+fused, a third more state per parameter - the native workers' model and optimizer, so
+that both sides move the same state) with
 ``pollux_launch.adapters.deepspeed.initialize`` under the job environment pollux-run gives
 them (``POLLUX_STORE``, ``POLLUX_JOB``...; embedded store, gloo on loopback). The driver
 plays the coordinator: it writes the job's allocation and starts the workers. Per ZeRO
@@ -68,14 +70,13 @@ def worker(stage: int) -> int:
     torch.set_num_threads(1)
     pds.prewarm()  # DeepSpeed imported before the worker registers with the rendezvous
     emit(event="ready", pid=os.getpid())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rescale import build_mlp, build_optimizer  # the native workers' model, optimizer
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 256))
-    if os.environ.get("BENCH_OPTIMIZER", "sgd") == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    params = int(os.environ.get("BENCH_PARAMS", "0")) or None
+    model = build_mlp(torch, params)
+    opt = build_optimizer(torch, model, os.environ.get("BENCH_OPTIMIZER", "sgd"))
     cfg = {"zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
            "zero_allow_untested_optimizer": True,  # torch SGD under ZeRO-1/2
            "pollux": {"enabled": True, "initial_batch_size": 32,
@@ -84,7 +85,7 @@ def worker(stage: int) -> int:
     job = engine.driver.job
     emit(event="round", pid=os.getpid(), rank=job.placement.rank, ws=job.placement.world_size,
          round=job.placement.round, newcomer=True)
-    seen, step = len(engine.driver.rescales), 0
+    seen, step, last = len(engine.driver.rescales), 0, time.monotonic()
     g = torch.Generator().manual_seed(1)
     while True:  # until the allocation removes this worker (exit 0 inside engine.step())
         m = engine.train_micro_batch_size_per_gpu()
@@ -98,11 +99,11 @@ def worker(stage: int) -> int:
             timing = {k: v for k, v in rescales[-1].items() if k not in ("t0", "round")}
             emit(event="round", pid=os.getpid(), rank=job.placement.rank,
                  ws=job.placement.world_size, round=job.placement.round, **timing)
-        elif rescales and "pause_to_step_s" in rescales[-1] and step % 10 == 0:
+        elif step % 10 == 0 or time.monotonic() - last > 1.0:  # big models: slow steps
+            last = time.monotonic()
+            to_step = rescales[-1].get("pause_to_step_s") if rescales else None
             emit(event="step", step=step, round=job.placement.round,
-                 to_step=rescales[-1]["pause_to_step_s"])
-        elif step % 10 == 0:
-            emit(event="step", step=step, round=job.placement.round)
+                 **({"to_step": to_step} if to_step is not None else {}))
 
 
 # -- driver -----------------------------------------------------------------------------
@@ -110,11 +111,13 @@ def worker(stage: int) -> int:
 class _Job:
     """The driver's view: worker processes, their JSON events, the allocation."""
 
-    def __init__(self, store_url: str, stage: int, optimizer: str = "sgd") -> None:
+    def __init__(self, store_url: str, stage: int, optimizer: str = "sgd",
+                 params: int | None = None) -> None:
         from pollux_launch.rendezvous.rounds import JobKeys
         from pollux_launch.rendezvous.store import open_store
 
         self.url, self.stage, self.optimizer = store_url, stage, optimizer
+        self.params = params
         self.store = open_store(store_url)
         self.name = f"{JOB}-zero{stage}"
         self.keys = JobKeys(self.name)
@@ -138,7 +141,7 @@ class _Job:
         wid = f"ds{self.stage}-w{self.next_id}"
         self.next_id += 1
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu",
-               "BENCH_OPTIMIZER": self.optimizer,
+               "BENCH_OPTIMIZER": self.optimizer, "BENCH_PARAMS": str(self.params or 0),
                "OMP_NUM_THREADS": "1", "POLLUX_STORE": self.url, "POLLUX_JOB": self.name,
                "POLLUX_NODE": "local", "POLLUX_WORKER_ID": wid, "POLLUX_ADDR": "127.0.0.1"}
         with open(self.log_dir / f"{wid}.log", "w") as err:
@@ -229,8 +232,8 @@ def _grow(job: _Job, rnd: dict[str, dict], low: int, high: int) -> dict[str, dic
 
 
 def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = True,
-            high: int = 4, low: int = 2, optimizer: str = "sgd", failures: int = 0
-            ) -> dict[str, Any]:
+            high: int = 4, low: int = 2, optimizer: str = "sgd", failures: int = 0,
+            params: int | None = None) -> dict[str, Any]:
     """Median pauses of DeepSpeed survivors over ``repeats`` low -> high -> low cycles (module
     docstring) on the store at ``store_url`` (e.g. ``embedded:///tmp/x/store.db``; the job
     is named ``bench-deepspeed-zero<stage>``). Returns ``{"deepspeed_down_pause_s",
@@ -244,7 +247,7 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
         raise ValueError("failure recovery needs ZeRO stage 0 (at 1/2 a partition is lost)")
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"optimizer must be sgd or adam, got {optimizer!r}")
-    job = _Job(store_url, stage, optimizer)
+    job = _Job(store_url, stage, optimizer, params)
     up: list[dict] = []
     down: list[dict] = []
     recovery: list[float] = []
@@ -302,6 +305,7 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
         "deepspeed_up_pause_s": med(up, "pause_s"),
         "zero_stage": stage,
         "optimizer": optimizer,
+        "params": params,
         "pids_kept": not job.problems,
         "repeats": repeats,
     }
@@ -328,6 +332,8 @@ def main() -> None:
                         help="SIGKILLs of a worker at ZeRO-0, recovered live (default 0)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
                         help="sgd (momentum, like the native workers) or adam")
+    parser.add_argument("--params", default=None, metavar="N",
+                        help="model size, e.g. 1M, 10M, 100M (default: the ~0.92M MLP)")
     parser.add_argument("--low", type=int, default=2, help="workers before a grow (default 2)")
     parser.add_argument("--high", type=int, default=4, help="workers after a grow (default 4)")
     parser.add_argument("--store", default=None,
@@ -344,12 +350,19 @@ def main() -> None:
         parser.error("--repeats must be >= 1 and --stages among 0, 1, 2")
     if not 1 <= opts.low < opts.high:
         parser.error("need 1 <= --low < --high")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rescale import parse_count
+
+    try:
+        params = parse_count(opts.params) if opts.params else None
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     results: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="ds-rescale-") as tmp:
         for stage in stages:
             url = opts.store or f"embedded://{Path(tmp)}/store{stage}.db"
             results[stage] = measure(url, opts.repeats, stage, high=opts.high, low=opts.low,
-                                     optimizer=opts.optimizer,
+                                     optimizer=opts.optimizer, params=params,
                                      failures=opts.failures if stage == 0 else 0)
             r = results[stage]
             print(f"ZeRO-{stage}: down {r['deepspeed_down_pause_s']:.3f} s, up "

@@ -2,36 +2,53 @@
 
     python benchmarks/rescale.py --store etcd        # starts its own etcd on loopback
     python benchmarks/rescale.py --store embedded    # SQLite file in a temp dir
+    python benchmarks/rescale.py --params 100M --repeats 2 --failures 0   # Adam, 1.2 GB
+    python benchmarks/rescale.py --params 10M --write-calibration FILE
 
-Real worker processes train a ~1M-parameter MLP on gloo (loopback). The driver plays
-the coordinator: it writes the job's allocation and starts/kills workers.
+Real worker processes train an MLP on gloo (loopback): by default ~0.92M parameters with
+SGD (momentum); ``--params N`` (e.g. 1M, 10M, 100M) sizes it (256-H-H-256) and takes
+Adam (``--optimizer``), so the state is ~3 x 4 bytes x N. The driver plays the
+coordinator: it writes the job's allocation and starts/kills workers.
 
 * down: 4 -> 2 (two workers leave with exit 0); up: 2 -> 4 with the two newcomers started
   beforehand (prewarmed: waiting in ``next_round``); both repeated ``--repeats`` times.
   Pause = from the step boundary where a survivor sees the new version (``should_rescale``
-  True) to the completion of its first collective in the new group (the state broadcast
-  when newcomers joined, else the first gradient all-reduce); ``*_to_step_s`` also report
-  the pause up to the end of the first full training step.
+  True) to the completion of the new group's first collective, as the elastic
+  controller's: rank 0's decision broadcast, after the state transfer when newcomers
+  joined (survivors send, newcomers receive and load: ``sync_state``); ``*_to_step_s``
+  also report the pause up to the end of the first full training step.
 * failure: SIGKILL one of 4 workers -> the end of the first training step of the 3-worker
   group (the driver's kill time to the last survivor's step), ``--failures`` times; a
   replacement worker then fills the vacancy (a "membership" round, same allocation).
 * pids_kept: every survivor of every rescale kept its process (same PID, never exited),
   rank 0 was never replaced except by the failure of rank 0 itself, and every removed
   worker exited 0.
+* the same run measures this machine: ``broadcast_gbps``, a plain gloo ``broadcast`` of
+  one tensor of the state's size among 4 processes (median of warm repeats; the first,
+  cold, as ``broadcast_cold_s``), and ``up_pause_vs_limit`` = up pause / (state bytes /
+  that bandwidth); ``checkpoint_gbps``, the state through ``torch.save`` (fsync) and
+  ``torch.load`` in a temp dir on this disk; ``start_s``, a newcomer's start-up (spawn
+  to registered in the rendezvous: python, torch, store; its model is built after).
+  ``--write-calibration FILE`` merges shrink_s, grow_s (up pause less the broadcast's
+  time), broadcast_bps, start_s and checkpoint_bps into the rescale calibration FILE
+  (``pollux_launch.calibration``), with the raw figures under ``measured``.
 
 The worker side is chosen by ``--framework`` (``native``: torch.distributed through
 ``pollux_launch.rendezvous``; WORKERS). ``--framework horovod`` measures the same pauses
 through Horovod Elastic (benchmarks/horovod_rescale.py ``measure()``: real horovodrun,
 the same 4 -> 2 -> 4 cycles and model) right after the native run and prints both side
 by side; its JSON keys are ``native_*`` and ``horovod_*``. Other frameworks join through
-SIDES in the same style (e.g. ``deepspeed``: benchmarks/deepspeed_rebuild.py).
+SIDES in the same style (e.g. ``deepspeed``: benchmarks/deepspeed_rebuild.py, with the
+same ``--params`` and ``--optimizer``).
 The LAST line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import queue
 import signal
@@ -43,6 +60,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from local_etcd import LocalEtcd  # benchmarks/local_etcd.py, beside this script
 
@@ -58,6 +76,60 @@ def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def parse_count(text: str) -> int:
+    """``"100M"``, ``"1.5k"``, ``"2000000"`` -> an integer count."""
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}
+    t = text.strip().lower()
+    try:
+        n = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 1M, 10M, 100M)") from None
+    if not 10_000 <= n <= 10**10:
+        raise argparse.ArgumentTypeError(f"--params must be between 10k and 10G, got {text!r}")
+    return int(n)
+
+
+def mlp_dims(params: int | None) -> tuple[int, ...]:
+    """Layer widths: today's 256-1024-512-256 (~0.92M parameters), or 256-H-H-256 with H
+    picked so that the MLP has about ``params`` parameters (H^2 + 514 H + 256)."""
+    if params is None:
+        return (256, 1024, 512, 256)
+    h = int((-514 + math.sqrt(514**2 + 4 * (params - 256))) / 2)
+    return (256, max(1, h), max(1, h), 256)
+
+
+def param_count(dims: tuple[int, ...]) -> int:
+    return sum(a * b + b for a, b in itertools.pairwise(dims))
+
+
+def build_mlp(torch: Any, params: int | None) -> Any:
+    """The benchmarks' MLP (``mlp_dims``); the DeepSpeed side builds the same one."""
+    dims = mlp_dims(params)
+    layers: list[Any] = []
+    for a, b in itertools.pairwise(dims):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def build_optimizer(torch: Any, model: Any, name: str) -> Any:
+    """SGD with momentum (two words of state per parameter) or Adam (three); Adam fused:
+    foreach Adam takes ~2 s a step at 100M parameters on one CPU thread, fused ~0.1 s."""
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def state_nbytes(obj: Any) -> int:
+    """Bytes of the tensors in a nested state (what a state broadcast moves)."""
+    if hasattr(obj, "nbytes") and hasattr(obj, "dtype"):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    return 0
+
+
 class NativeWorker:
     """torch.distributed training through ``pollux_launch.rendezvous`` (in-place rescale)."""
 
@@ -69,26 +141,16 @@ class NativeWorker:
         from pollux_launch.rendezvous.store import open_store
 
         torch.set_num_threads(1)
-        torch.manual_seed(0)
         self.torch = torch
-        self.model = torch.nn.Sequential(
-            torch.nn.Linear(256, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 512),
-            torch.nn.ReLU(),
-            torch.nn.Linear(512, 256),
-        )
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-        self.params = [p for p in self.model.parameters()]
-        self.step = 0
-        self.commit = InMemoryCommit(self.get_state, self.set_state)
         cfg = RendezvousConfig(
             lease_ttl=args.lease_ttl,
             join_timeout=120,
-            collective_timeout=30,
+            collective_timeout=30 if (args.params or 0) < 20_000_000 else 120,
             backend="gloo",
             addr="127.0.0.1",
         )
+        # registered first: start-up (python, torch, store, registration) is measured
+        # apart from building the model, which grows with its size
         self.rdzv = Rendezvous(
             open_store(args.store_url),
             JOB,
@@ -97,6 +159,15 @@ class NativeWorker:
             config=cfg,
             owns_store=True,
         )
+        self.registered_at = time.time()
+        torch.manual_seed(0)
+        self.model = build_mlp(torch, args.params)
+        self.opt = build_optimizer(torch, self.model, args.optimizer)
+        self.params = [p for p in self.model.parameters()]
+        self.step = 0
+        # the last step's state, for failure recovery (only when failures are measured:
+        # at 100M parameters with Adam it is another 1.2 GB per worker)
+        self.commit = InMemoryCommit(self.get_state, self.set_state) if args.commit else None
 
     def get_state(self) -> dict:
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step}
@@ -106,10 +177,20 @@ class NativeWorker:
         self.opt.load_state_dict(state["opt"])
         self.step = int(state["step"])
 
-    def sync_state(self) -> None:
-        from pollux_launch.rendezvous.process_group import broadcast_state
+    def sync_state(self, info: Any) -> None:
+        """Newcomers receive the survivors' state (in place where it fits), survivors
+        keep theirs; after a failure everyone takes rank 0's (``sync_state``)."""
+        from pollux_launch.rendezvous.process_group import sync_state
 
-        self.set_state(broadcast_state(self.get_state()))
+        got = sync_state(self.get_state(), info)
+        if got is not None:
+            self.set_state(got)
+
+    def decide(self) -> None:
+        """The new group's first collective, as the elastic controller's: rank 0's
+        decision (a few numbers) broadcast to every rank; the pause ends with it."""
+        decision = self.torch.zeros(5, dtype=self.torch.float64)
+        self.torch.distributed.broadcast(decision, 0)
 
     def train_step(self, world_size: int) -> None:
         torch, dist = self.torch, self.torch.distributed
@@ -118,35 +199,35 @@ class NativeWorker:
         loss = (self.model(x) - x).pow(2).mean()
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        dist.all_reduce(flat)  # one bucket: the whole gradient
-        flat /= world_size
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        for p in self.params:  # in place, per tensor: no copy of the whole gradient
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
         self.opt.step()
         self.step += 1
+
+    def commit_step(self) -> None:
+        if self.commit is not None:
+            self.commit.commit()
 
     def run(self) -> int:
         from pollux_launch.rendezvous.protocol import RendezvousError, WorkerRemoved
 
-        emit(event="ready", pid=os.getpid())
+        emit(event="ready", pid=os.getpid(), registered_at=self.registered_at)
         try:
             info, t0, failed = self.rdzv.next_round(), None, False
             t_formed = time.perf_counter()
             while True:
-                if failed:
+                if failed and self.commit is not None:
                     self.commit.restore()
-                t_first = None
                 if info.needs_state_sync:
-                    self.sync_state()
-                    t_first = time.perf_counter()
+                    self.sync_state(info)
+                t_synced = time.perf_counter()
+                self.decide()
+                t_first = time.perf_counter()
                 try:
                     self.train_step(info.world_size)
                     t_step = time.perf_counter()
-                    self.commit.commit()
+                    self.commit_step()
                     emit(
                         event="round",
                         round=info.round,
@@ -155,15 +236,20 @@ class NativeWorker:
                         reason=info.reason,
                         pid=os.getpid(),
                         step_time=time.time(),
-                        pause_s=None if t0 is None else (t_first or t_step) - t0,
+                        pause_s=None if t0 is None else t_first - t0,
                         pause_to_step_s=None if t0 is None else t_step - t0,
                         rdzv_s=None if t0 is None else t_formed - t0,
+                        sync_s=t_synced - t_formed,
+                        state_bytes=state_nbytes(self.get_state()),
                     )
+                    last = time.monotonic()
                     while not self.rdzv.should_rescale():
                         self.train_step(info.world_size)
-                        self.commit.commit()
-                        if self.step % 20 == 0:
+                        self.commit_step()
+                        # every 20 steps, or every second when steps are slow (big models)
+                        if self.step % 20 == 0 or time.monotonic() - last > 1.0:
                             emit(event="step", step=self.step, round=info.round)
+                            last = time.monotonic()
                     t0, failed = time.perf_counter(), False
                 except RuntimeError as exc:  # a peer died in a collective
                     emit(event="error", error=str(exc).splitlines()[0][:160])
@@ -198,11 +284,13 @@ class Cluster:
         self.keys = JobKeys(JOB)
         self.version = 0
         self.procs: dict[str, subprocess.Popen] = {}
+        self.spawned_at: dict[str, float] = {}  # wall clock just before Popen
         self.events: queue.Queue[dict] = queue.Queue()
         self.backlog: list[dict] = []  # events read but not yet asked for
         self.next_id = 0
         self.pids_kept = True
         self.problems: list[str] = []
+        self.seen_rounds: list[dict] = []
 
     def allocate(self, replicas: int) -> None:
         from pollux_launch.messages import Allocation, encode
@@ -226,7 +314,12 @@ class Cluster:
             wid,
             "--lease-ttl",
             str(self.args.lease_ttl),
+            "--optimizer",
+            self.args.optimizer,
+            *(["--params", str(self.args.params)] if self.args.params else []),
+            *(["--commit"] if self.args.failures else []),
         ]
+        self.spawned_at[wid] = time.time()
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
         )
@@ -275,6 +368,7 @@ class Cluster:
     def round(self, ws: int, before: dict[str, dict] | None, **match: object) -> dict[str, dict]:
         """Wait for a round of ``ws`` workers; check that survivors kept their process."""
         events = {e["worker"]: e for e in self.wait(ws, event="round", ws=ws, **match)}
+        self.seen_rounds += events.values()
         for wid, e in events.items():
             if e["pid"] != self.procs[wid].pid or self.procs[wid].poll() is not None:
                 self._bad(f"{wid} reported pid {e['pid']} (started as {self.procs[wid].pid})")
@@ -316,6 +410,8 @@ def run(args: argparse.Namespace, url: str) -> dict:
     down, up, down_step, up_step, recovery = [], [], [], [], []
     rdzv_down: list[float] = []
     rdzv_up: list[float] = []
+    sync_up: list[float] = []  # a survivor's state transfer in a grow
+    starts: list[float] = []  # a grow's newcomer: spawn -> registered in the rendezvous
     total = 1 + 2 * args.repeats + args.failures
     try:
         with tqdm(
@@ -337,7 +433,8 @@ def run(args: argparse.Namespace, url: str) -> dict:
                 down_step += [e["pause_to_step_s"] for e in new.values()]
                 bar.update()
                 for wid in (c.spawn(), c.spawn()):  # prewarm the newcomers
-                    c.wait(1, event="ready", worker=wid)
+                    ready = c.wait(1, event="ready", worker=wid)[0]
+                    starts.append(ready["registered_at"] - c.spawned_at[wid])
                 time.sleep(0.5)  # let them settle inside next_round
                 c.wait(2, event="step")
                 c.allocate(4)  # 2 -> 4
@@ -345,6 +442,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
                 up += [rnd[w]["pause_s"] for w in new]
                 rdzv_up += [rnd[w]["rdzv_s"] for w in new]
                 up_step += [rnd[w]["pause_to_step_s"] for w in new]
+                sync_up += [rnd[w]["sync_s"] for w in new]
                 c.wait(4, event="step")
                 bar.update()
             for i in range(args.failures):
@@ -377,6 +475,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
         "up_pause_to_step_s": round(med(up_step), 4) if up_step else None,
         "down_rendezvous_s": round(med(rdzv_down), 4) if rdzv_down else None,
         "up_rendezvous_s": round(med(rdzv_up), 4) if rdzv_up else None,
+        "up_state_sync_s": round(med(sync_up), 4) if sync_up else None,
         "down_pause_max_s": round(max(down), 4) if down else None,
         "up_pause_max_s": round(max(up), 4) if up else None,
         "failure_recovery_max_s": round(max(recovery), 4) if recovery else None,
@@ -384,7 +483,170 @@ def run(args: argparse.Namespace, url: str) -> dict:
         "repeats": args.repeats,
         "failures": args.failures,
         "framework": args.framework,
+        "params": param_count(mlp_dims(args.params)),
+        "optimizer": args.optimizer,
+        "state_bytes": max((e.get("state_bytes") or 0) for e in c.seen_rounds),
+        "start_s": round(med(starts), 4) if starts else None,
     }
+
+
+# ======================================================================================
+# probes: this machine's plain gloo broadcast and checkpoint round trip, in the same run
+# ======================================================================================
+
+
+def probe_broadcast(args: argparse.Namespace) -> int:
+    """One rank of a plain ``dist.broadcast`` of one float32 tensor of ``--nbytes`` among
+    ``--world`` gloo processes on loopback (rank 0 prints the max over ranks per repeat)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{args.probe_file}", rank=args.rank,
+                            world_size=args.world, timeout=datetime.timedelta(seconds=300))
+    n = max(1, args.nbytes // 4)
+    x = torch.ones(n) if args.rank == 0 else torch.empty(n)
+    times = []
+    for _ in range(args.probe_repeats + 1):  # the first also faults the receivers' pages in
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(x, 0)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(dt.item())
+    if args.rank == 0:
+        emit(event="broadcast", nbytes=n * 4, cold_s=times[0], seconds=times[1:])
+    dist.destroy_process_group()
+    return 0
+
+
+def probe_checkpoint(args: argparse.Namespace) -> int:
+    """The workers' state (model and optimizer after a step) through ``torch.save`` (fsync,
+    as the elastic checkpoints do) and ``torch.load`` on this disk, ``--probe-repeats``
+    times."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_mlp(torch, args.params)
+    opt = build_optimizer(torch, model, args.optimizer)
+    x = torch.randn(32, 256)
+    (model(x) - x).pow(2).mean().backward()
+    opt.step()  # the optimizer's state exists from the first step on
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": 1}
+    path = Path(args.probe_dir) / "state.pt"
+    save, load = [], []
+    for _ in range(args.probe_repeats):
+        path.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        t1 = time.perf_counter()
+        loaded = torch.load(path, weights_only=True)
+        load.append(time.perf_counter() - t1)
+        save.append(t1 - t0)
+        del loaded
+    emit(event="checkpoint", nbytes=path.stat().st_size, save_s=save, load_s=load)
+    return 0
+
+
+def _probe(args: list[str], ranks: int = 1) -> dict:
+    """Run ``ranks`` probe processes of this script; the last JSON line of rank 0."""
+    from pollux_launch.rendezvous.network import transport_env
+
+    env = {**os.environ, **transport_env("127.0.0.1"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, *args]
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, text=True,
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL)
+             for r in range(ranks)]
+    try:
+        out, _ = procs[0].communicate(timeout=900)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
+        raise SystemExit(f"error: probe {args[:2]} failed: exit codes {codes}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure_broadcast(nbytes: int, world: int, repeats: int) -> dict:
+    """Plain gloo broadcast of ``nbytes`` among ``world`` processes: median seconds (warm:
+    the receivers' buffer already touched) and bytes per second."""
+    with tempfile.TemporaryDirectory(prefix="pollux-bcast-") as tmp:
+        got = _probe(["--probe", "broadcast", "--world", str(world), "--nbytes", str(nbytes),
+                      "--probe-repeats", str(repeats), "--probe-file", f"{tmp}/init"], world)
+    secs = statistics.median(got["seconds"])
+    return {"broadcast_bps": got["nbytes"] / secs, "broadcast_s": secs,
+            "broadcast_cold_s": got["cold_s"], "broadcast_bytes": got["nbytes"]}
+
+
+def measure_checkpoint(args: argparse.Namespace, repeats: int) -> dict:
+    """torch.save (fsync) + torch.load of the workers' state in a temp dir on this disk."""
+    with tempfile.TemporaryDirectory(prefix="pollux-ckpt-") as tmp:
+        opts = ["--params", str(args.params)] if args.params else []
+        got = _probe(["--probe", "checkpoint", "--optimizer", args.optimizer, *opts,
+                      "--probe-repeats", str(repeats), "--probe-dir", tmp])
+    trips = [a + b for a, b in zip(got["save_s"], got["load_s"], strict=True)]
+    return {"checkpoint_bps": got["nbytes"] / statistics.median(trips),
+            "checkpoint_bytes": got["nbytes"],
+            "checkpoint_save_s": statistics.median(got["save_s"]),
+            "checkpoint_load_s": statistics.median(got["load_s"])}
+
+
+def add_probes(result: dict, args: argparse.Namespace) -> dict:
+    """The same run's broadcast bandwidth (state bytes among the job's 4 processes) and
+    checkpoint bandwidth, and the grow pause against the broadcast's time."""
+    repeats = 2 if result["state_bytes"] > 200e6 else 5
+    bcast = measure_broadcast(result["state_bytes"], 4, repeats)
+    ckpt = measure_checkpoint(args, repeats)
+    limit = result["state_bytes"] / bcast["broadcast_bps"]
+    return {**result, "broadcast_gbps": round(bcast["broadcast_bps"] / 1e9, 4),
+            "up_pause_vs_limit": (round(result["up_pause_s"] / limit, 3)
+                                  if result["up_pause_s"] is not None else None),
+            "broadcast_s": round(bcast["broadcast_s"], 4),
+            "broadcast_cold_s": round(bcast["broadcast_cold_s"], 4),
+            "checkpoint_gbps": round(ckpt["checkpoint_bps"] / 1e9, 4),
+            "checkpoint_save_s": round(ckpt["checkpoint_save_s"], 4),
+            "checkpoint_load_s": round(ckpt["checkpoint_load_s"], 4),
+            "_bps": (bcast["broadcast_bps"], ckpt["checkpoint_bps"])}
+
+
+CALIBRATED = ("shrink_s", "grow_s", "broadcast_bps", "start_s", "checkpoint_bps")
+
+
+def write_calibration(path: str, result: dict, args: argparse.Namespace) -> dict:
+    """Merge this run's figures into the calibration file at ``path``
+    (``pollux_launch.calibration``; ``restart_s``/``per_replica_s`` are other
+    benchmarks')."""
+    from pollux_launch.calibration import write_rescale_cost
+
+    broadcast_bps, checkpoint_bps = result["_bps"]
+    up, down = result["up_pause_s"], result["down_pause_s"]
+    figures = {
+        "shrink_s": round(down, 4),
+        "grow_s": round(max(0.0, up - result["state_bytes"] / broadcast_bps), 4),
+        "broadcast_bps": round(broadcast_bps),
+        "start_s": round(result["start_s"], 4),
+        "checkpoint_bps": round(checkpoint_bps),
+    }
+    date = time.strftime("%Y-%m-%d")
+    command = "python benchmarks/rescale.py " + " ".join(sys.argv[1:])
+    measured = {k: result[k] for k in (
+        "params", "optimizer", "state_bytes", "down_pause_s", "up_pause_s",
+        "down_pause_max_s", "up_pause_max_s", "up_pause_vs_limit", "broadcast_gbps",
+        "broadcast_s", "broadcast_cold_s", "checkpoint_gbps", "checkpoint_save_s",
+        "checkpoint_load_s", "start_s", "repeats", "store")}
+    measured.update(date=date, machine={"cpu_count": os.cpu_count()}, command=command)
+    label = f"params_{result['params']}_{result['optimizer']}"
+    return write_rescale_cost(path, {**figures, "source": f"{command} ({date})"},
+                              {label: measured})
 
 
 # ======================================================================================
@@ -407,12 +669,13 @@ def _horovod_side(args: argparse.Namespace, url: str) -> dict:
 
 def _deepspeed_side(args: argparse.Namespace, url: str) -> dict:
     """DeepSpeed engines (ZeRO-2) rebuilt live through the same rendezvous and store
-    (benchmarks/deepspeed_rebuild.py: the same 4 -> 2 -> 4 cycles, ~1M-parameter model and
-    SGD-with-momentum optimizer, so both sides move the same state)."""
+    (benchmarks/deepspeed_rebuild.py: the same 4 -> 2 -> 4 cycles, model and optimizer,
+    so both sides move the same state)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from deepspeed_rebuild import measure
 
-    return measure(url, repeats=args.repeats, stage=2, high=4, low=2)
+    return measure(url, repeats=args.repeats, stage=2, high=4, low=2,
+                   optimizer=args.optimizer, params=args.params)
 
 
 # framework -> f(args, native store URL) returning {"<framework>_down_pause_s",
@@ -443,11 +706,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--lease-ttl", type=float, default=2.0, help="worker lease TTL in seconds (default 2)"
     )
-    # worker mode (started by the driver)
+    p.add_argument("--params", type=parse_count, default=None, metavar="N",
+                   help="model size, e.g. 1M, 10M, 100M (default: today's ~0.92M MLP)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default=None,
+                   help="sgd (momentum) or adam (default: adam with --params, else sgd)")
+    p.add_argument("--write-calibration", metavar="FILE", default=None,
+                   help="merge this run's shrink_s, grow_s, start_s, broadcast_bps and "
+                        "checkpoint_bps into the rescale calibration FILE")
+    # worker and probe modes (started by the driver)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--store-url", help=argparse.SUPPRESS)
     p.add_argument("--worker-id", help=argparse.SUPPRESS)
+    p.add_argument("--commit", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--probe", choices=["broadcast", "checkpoint"], help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--probe-repeats", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--probe-file", help=argparse.SUPPRESS)
+    p.add_argument("--probe-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.optimizer is None:
+        args.optimizer = "adam" if args.params else "sgd"
+    if args.probe:
+        return (probe_broadcast if args.probe == "broadcast" else probe_checkpoint)(args)
     if args.worker:
         if os.environ.get("POLLUX_LOG_LEVEL"):
             import logging
@@ -471,6 +753,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if etcd:
                 etcd.stop()
+        result = add_probes(result, args)  # the workers are gone: their memory is free
+        if args.write_calibration:
+            written = write_calibration(args.write_calibration, result, args)
+            print(f"calibration written to {args.write_calibration}: "
+                  + ", ".join(f"{k}={written[k]:.4g}" for k in CALIBRATED), flush=True)
+        result.pop("_bps")
         if side is not None:
             try:
                 if etcd:  # the native run stopped its etcd: the other side gets its own

@@ -6,16 +6,19 @@ publishes it in the round's state; the others connect to it. ``init_process_grou
 that store takes ~20 ms for 4 gloo ranks on loopback and ``destroy_process_group`` ~30 ms,
 so a survivor's whole pause is dominated by noticing the change, not by torch.
 
-State moves without pickle: ``broadcast_state`` sends a JSON skeleton of the nested
-structure (dicts, lists, tuples, numbers, strings) and the tensors, one flat buffer per
-dtype.
+State moves without pickle: a JSON skeleton of the nested structure (dicts, lists,
+tuples, numbers, strings), then the tensors - the small ones in one flat buffer per dtype,
+each large one straight from the sender's memory into the receiver's (into the tensor it
+replaces when the receiver passes its own state). ``broadcast_state`` sends rank 0's state
+to every rank (a failure: survivors may be a step apart); ``share_state`` only to the
+ranks that lack it (newcomers), point to point from the ranks that hold it, in parallel.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,23 +124,125 @@ def _specs(sk: Any, out: list[tuple[str, list[int]]]) -> None:
         _specs(v, out)
 
 
+def _targets(sk: Any, into: Any, out: list[torch.Tensor | None], seen: set[int]) -> None:
+    """For each tensor of the skeleton (in ``_specs`` order), the tensor at the same place
+    in ``into`` (same keys and indices), or None; a tensor found twice is used once."""
+    if "T" in sk:
+        fits = isinstance(into, torch.Tensor) and into.data_ptr() not in seen
+        if fits:
+            seen.add(into.data_ptr())
+        out.append(into if fits else None)
+        return
+    for key in ("l", "t"):
+        for i, v in enumerate(sk.get(key, ())):
+            ok = isinstance(into, (list, tuple)) and i < len(into)
+            _targets(v, into[i] if ok else None, out, seen)
+    for k, v in sk.get("d", ()):
+        _targets(v, into.get(k) if isinstance(into, dict) else None, out, seen)
+
+
+# Tensors under this size travel together, one flat buffer per dtype (one message for
+# the many small ones); larger ones travel alone, straight from and into their own
+# memory: no concatenation on the sender, no buffer to copy out of on the receivers.
+COALESCE_BYTES = 1 << 20
+
+
+def _plan(specs: list[tuple[str, list[int]]]) -> list[tuple[torch.dtype, list[int]]]:
+    """The messages of a state, in the order every rank derives from the skeleton: the
+    small tensors' indices by dtype, then each large tensor alone."""
+    small: dict[str, list[int]] = {}
+    large: list[tuple[torch.dtype, list[int]]] = []
+    for i, (name, shape) in enumerate(specs):
+        dtype = getattr(torch, name)
+        if _numel(shape) * dtype.itemsize < COALESCE_BYTES:
+            small.setdefault(name, []).append(i)
+        else:
+            large.append((dtype, [i]))
+    return [(getattr(torch, name), idx) for name, idx in sorted(small.items())] + large
+
+
+def _send_tensors(tensors: list[torch.Tensor], specs: list[tuple[str, list[int]]],
+                  device: torch.device, send: Callable[[torch.Tensor], Any]) -> None:
+    for _, idx in _plan(specs):
+        if len(idx) == 1:  # as it is (no copy when it is on the device and contiguous)
+            send(tensors[idx[0]].detach().to(device).contiguous())
+        else:
+            send(torch.cat([tensors[i].detach().reshape(-1).to(device) for i in idx]))
+
+
+def _recv_tensors(specs: list[tuple[str, list[int]]], targets: list[torch.Tensor | None],
+                  device: torch.device, recv: Callable[[torch.Tensor], Any]
+                  ) -> list[torch.Tensor]:
+    """Receive the messages of ``_plan``; a large tensor lands directly in its target
+    when the target fits (same shape, dtype and device, contiguous), else in a new one;
+    small ones are copied out of their shared buffer (into their targets when they fit)."""
+    out: list[torch.Tensor | None] = [None] * len(specs)
+    for dtype, idx in _plan(specs):
+        shapes = [specs[i][1] for i in idx]
+        if len(idx) == 1:
+            buf = _fitting(targets[idx[0]], shapes[0], dtype, device)
+            if buf is None:
+                buf = torch.empty(shapes[0], dtype=dtype, device=device)
+            recv(buf)
+            out[idx[0]] = buf
+            continue
+        sizes = [_numel(shape) for shape in shapes]
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        recv(flat)
+        for i, shape, part in zip(idx, shapes, torch.split(flat, sizes), strict=True):
+            target = _fitting(targets[i], shape, dtype, device)
+            out[i] = (target.copy_(part.view(shape)) if target is not None
+                      else part.view(shape).clone())
+    return out  # type: ignore[return-value]
+
+
+def _fitting(t: torch.Tensor | None, shape: list[int], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor | None:
+    """``t`` if a received tensor can be written into it in place."""
+    if (t is None or list(t.shape) != shape or t.dtype != dtype or t.device != device
+            or not t.is_contiguous() or t.requires_grad):
+        return None
+    return t
+
+
+def _header(obj: Any, tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(_skeleton(obj, tensors)).encode()),
+                            dtype=torch.uint8)
+
+
+def _unpack(header: torch.Tensor, into: Any) -> tuple[Any, list[tuple[str, list[int]]],
+                                                      list[torch.Tensor | None]]:
+    skeleton = json.loads(bytes(header.cpu().numpy()).decode())
+    specs: list[tuple[str, list[int]]] = []
+    _specs(skeleton, specs)
+    targets: list[torch.Tensor | None] = []
+    _targets(skeleton, into, targets, set())
+    return skeleton, specs, targets
+
+
+def _device_for(backend: str, device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    return torch.device(device)
+
+
 def broadcast_state(obj: Any = None, src: int = 0, device: str | torch.device | None = None,
-                    group: Any = None) -> Any:
+                    group: Any = None, into: Any = None) -> Any:
     """Send ``obj`` (e.g. ``{"model": model.state_dict(), "opt": opt.state_dict(),
     "step": 12}``) from rank ``src`` to every rank of ``group``; returns it everywhere.
 
-    Tensors arrive on ``device`` (default: cuda for nccl, else cpu). Three collectives for
-    the skeleton plus one per tensor dtype, whatever the number of tensors.
+    Tensors arrive on ``device`` (default: cuda for nccl, else cpu). Two collectives for
+    the skeleton, one for the small tensors of each dtype and one per large tensor. A
+    receiver passing ``into`` (e.g. its own state, of the same structure) gets each
+    tensor written into the one at the same place in ``into`` where it fits (e.g. the
+    model's parameters): no new memory to fault in, nothing to copy when loading it.
     """
     backend = dist.get_backend(group)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    device = torch.device(device)
+    device = _device_for(backend, device)
     me = dist.get_rank(group)
     tensors: list[torch.Tensor] = []
     if me == src:
-        header = torch.frombuffer(bytearray(json.dumps(_skeleton(obj, tensors)).encode()),
-                                  dtype=torch.uint8)
+        header = _header(obj, tensors)
         length = torch.tensor([header.numel()], dtype=torch.int64, device=device)
     else:
         length = torch.zeros(1, dtype=torch.int64, device=device)
@@ -146,57 +251,99 @@ def broadcast_state(obj: Any = None, src: int = 0, device: str | torch.device | 
         header = torch.empty(int(length.item()), dtype=torch.uint8)
     header = header.to(device)
     dist.broadcast(header, src, group=group)
-    skeleton = json.loads(bytes(header.cpu().numpy()).decode())
-    specs: list[tuple[str, list[int]]] = []
-    _specs(skeleton, specs)
-    out: list[torch.Tensor | None] = [None] * len(specs)
-    for dtype_name in sorted({d for d, _ in specs}):
-        dtype = getattr(torch, dtype_name)
-        idx = [i for i, (d, _) in enumerate(specs) if d == dtype_name]
-        sizes = [_numel(specs[i][1]) for i in idx]
-        if me == src:
-            flat = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in idx])
-        else:
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.broadcast(flat, src, group=group)
-        for i, part in zip(idx, torch.split(flat, sizes), strict=True):
-            out[i] = part.view(specs[i][1]).clone() if me != src else tensors[i]
-    return obj if me == src else _rebuild(skeleton, out)  # type: ignore[arg-type]
+    skeleton, specs, targets = _unpack(header, into if me != src else None)
+
+    def bcast(t: torch.Tensor) -> None:
+        dist.broadcast(t, src, group=group)
+
+    if me == src:
+        _send_tensors(tensors, specs, device, bcast)
+        return obj
+    return _rebuild(skeleton, _recv_tensors(specs, targets, device, bcast))
 
 
-def send_state(obj: Any, dst: int, group: Any = None) -> None:
+def send_state(obj: Any, dst: int, group: Any = None,
+               device: str | torch.device | None = None) -> None:
     """Send ``obj`` (as for :func:`broadcast_state`) to rank ``dst`` alone, which calls
-    :func:`recv_state`: two messages for the skeleton plus one per tensor dtype. CPU
-    tensors (gloo point to point)."""
+    :func:`recv_state`: two messages for the skeleton, one for the small tensors of each
+    dtype and one per large tensor (on ``device``: default cuda for nccl, else cpu)."""
+    device = _device_for(dist.get_backend(group), device)
     tensors: list[torch.Tensor] = []
-    header = torch.frombuffer(bytearray(json.dumps(_skeleton(obj, tensors)).encode()),
-                              dtype=torch.uint8)
-    dist.send(torch.tensor([header.numel()], dtype=torch.int64), dst, group=group)
-    dist.send(header, dst, group=group)
-    for dtype_name in sorted({str(t.dtype).removeprefix("torch.") for t in tensors}):
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors
-                          if str(t.dtype).removeprefix("torch.") == dtype_name])
-        dist.send(flat, dst, group=group)
-
-
-def recv_state(src: int, group: Any = None) -> Any:
-    """Receive what rank ``src`` sent with :func:`send_state`."""
-    length = torch.zeros(1, dtype=torch.int64)
-    dist.recv(length, src, group=group)
-    header = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.recv(header, src, group=group)
-    skeleton = json.loads(bytes(header.numpy()).decode())
+    header = _header(obj, tensors)
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=device), dst,
+              group=group)
+    dist.send(header.to(device), dst, group=group)
     specs: list[tuple[str, list[int]]] = []
-    _specs(skeleton, specs)
-    out: list[torch.Tensor | None] = [None] * len(specs)
-    for dtype_name in sorted({d for d, _ in specs}):
-        idx = [i for i, (d, _) in enumerate(specs) if d == dtype_name]
-        sizes = [_numel(specs[i][1]) for i in idx]
-        flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype_name))
-        dist.recv(flat, src, group=group)
-        for i, part in zip(idx, torch.split(flat, sizes), strict=True):
-            out[i] = part.view(specs[i][1])
-    return _rebuild(skeleton, out)  # type: ignore[arg-type]
+    _specs(json.loads(bytes(header.numpy()).decode()), specs)
+    _send_tensors(tensors, specs, device, lambda t: dist.send(t, dst, group=group))
+
+
+def recv_state(src: int, group: Any = None, into: Any = None,
+               device: str | torch.device | None = None) -> Any:
+    """Receive what rank ``src`` sent with :func:`send_state` (``into``: as for
+    :func:`broadcast_state`)."""
+    device = _device_for(dist.get_backend(group), device)
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(length, src, group=group)
+    header = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.recv(header, src, group=group)
+    skeleton, specs, targets = _unpack(header, into)
+    got = _recv_tensors(specs, targets, device, lambda t: dist.recv(t, src, group=group))
+    return _rebuild(skeleton, got)
+
+
+def share_waves(world_size: int, holders: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Who sends to whom in :func:`share_state`: waves of (sender, receiver) pairs; each
+    rank is in at most one pair per wave, and a receiver sends on in the next waves (the
+    ranks that have the state double each wave)."""
+    have = sorted(set(holders))
+    need = [r for r in range(world_size) if r not in set(have)]
+    waves = []
+    while need and have:
+        pairs = list(zip(have, need[: len(have)], strict=False))
+        waves.append(pairs)
+        need = need[len(pairs):]
+        have += [dst for _, dst in pairs]
+    return waves
+
+
+def share_state(obj: Any, holders: Sequence[int], into: Any = None,
+                device: str | torch.device | None = None) -> Any:
+    """Give the ranks of the default group that are not ``holders`` the state ``obj`` the
+    holders all hold, alike (e.g. the model and optimizer state of data-parallel
+    replicas): point to point, every holder sending to a different rank at once, and the
+    receivers passing it on (``share_waves``). Holders neither receive nor reload
+    anything, as a broadcast would make them. Returns ``obj`` on holders, the state
+    received elsewhere (written into ``into`` where it fits, as for
+    :func:`broadcast_state`)."""
+    me = dist.get_rank()
+    for wave in share_waves(dist.get_world_size(), holders):
+        for sender, receiver in wave:
+            if me == sender:
+                send_state(obj, receiver, device=device)
+            elif me == receiver:
+                obj = recv_state(sender, into=into, device=device)
+    return obj
+
+
+def sync_state(obj: Any, info: Any) -> Any:
+    """After a round formed (``info``: its ``GroupInfo``), the state this rank must load,
+    or None where it keeps its own. ``obj``: this rank's state - what it sends if it holds
+    the job's, else where the received tensors are written where they fit.
+
+    A failure round (survivors may be a step apart) or one of newcomers only takes rank
+    0's state everywhere (``broadcast_state``); any other round with newcomers gives them
+    the survivors' (``share_state``); a round without newcomers moves nothing.
+    """
+    if info.world_size == 1 or not (info.newcomers or info.reason == "failure"):
+        return None
+    holders = info.holders
+    if info.reason != "failure" and holders:
+        got = share_state(obj, holders, into=obj)
+        return None if info.rank in holders else got
+    # a survivor receives apart from its own state, which stays whole should this fail too
+    got = broadcast_state(obj, into=None if info.rank in holders else obj)
+    return None if info.rank == 0 else got
 
 
 def _numel(shape: list[int]) -> int:
@@ -221,6 +368,26 @@ def clone_state(obj: Any) -> Any:
     return obj
 
 
+def copy_state_into(dst: Any, src: Any) -> Any:
+    """A copy of ``src`` like :func:`clone_state`, but written into the tensors of an
+    older copy ``dst`` where they fit (same place, shape, dtype and device): committing
+    every step then allocates nothing (fresh memory costs page faults, ~0.8 s per GB)."""
+    if isinstance(src, torch.Tensor):
+        if (isinstance(dst, torch.Tensor) and dst.shape == src.shape
+                and dst.dtype == src.dtype and dst.device == src.device):
+            return dst.copy_(src.detach())
+        return src.detach().clone()
+    if isinstance(src, dict):
+        old = dst if isinstance(dst, dict) else {}
+        return {k: copy_state_into(old.get(k), v) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        old = dst if isinstance(dst, (list, tuple)) else ()
+        items = [copy_state_into(old[i] if i < len(old) else None, v)
+                 for i, v in enumerate(src)]
+        return items if isinstance(src, list) else tuple(items)
+    return src
+
+
 class InMemoryCommit:
     """The last committed training state, kept in memory at step boundaries.
 
@@ -235,7 +402,7 @@ class InMemoryCommit:
         self.state: Any = None
 
     def commit(self) -> None:
-        self.state = clone_state(self.get_state())
+        self.state = copy_state_into(self.state, self.get_state())
 
     def restore(self) -> Any:
         """Load the last commit back (a no-op before the first commit); returns it."""

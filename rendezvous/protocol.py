@@ -5,7 +5,7 @@ A worker's life::
 
     rdzv = Rendezvous(store, "job1", worker="w0", node="node-a")   # or Rendezvous.from_env()
     info = rdzv.next_round()                     # first round: blocks until it forms
-    state = broadcast_state(state) if info.needs_state_sync else state
+    state = sync_state(state, info) or state     # newcomers receive the survivors' state
     while training:
         if rdzv.should_rescale():                # every step; no store access
             info = rdzv.next_round()             # raises WorkerRemoved: exit 0
@@ -183,6 +183,13 @@ class GroupInfo:
         """True when rank 0 must broadcast the training state: newcomers joined (the
         first round included), or a failure may have left survivors one step apart."""
         return bool(self.newcomers) or self.reason == "failure"
+
+    @property
+    def holders(self) -> list[int]:
+        """The ranks that carry the job's training state: the survivors of the last
+        round (a newcomer receives it from one of them, ``share_state``)."""
+        fresh = set(self.newcomers)
+        return [r for r, w in enumerate(self.members) if w not in fresh]
 
     @property
     def fresh(self) -> bool:

@@ -21,6 +21,7 @@ Without a GPU, ``DS_ACCELERATOR`` defaults to ``cpu`` (set before DeepSpeed is i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from .config import (
     parse_pollux_config,
 )
 from .gradients import DeepSpeedGradStats
-from .state import EngineState, capture, detach, restore
+from .state import EngineState, capture, detach, restore, share_module, state_holders
 
 JOB_ENV = envvars.JOB
 NEWCOMER_WAIT_S = 120.0  # the longest survivors keep training while a grow's newcomers start
@@ -232,7 +233,8 @@ class _Recipe:
         if self.client_params is not None:
             compat.reset_client_optimizer(opt, self.client_params)
         cfg = derive_ds_config(self.ds_config, world_size, micro_batch, accumulation_steps)
-        return deepspeed.initialize(config=cfg, **self.kwargs)
+        with compat.flat_buffers_reused():
+            return deepspeed.initialize(config=cfg, **self.kwargs)
 
 
 class _Live:
@@ -283,7 +285,8 @@ class PolluxEngine:
         self.driver: Any = None  # the ElasticDeepSpeed that owns this handle under pollux-run
         self._forced_boundary = False
         self._skip_step = False
-        # a newcomer to a running job receives the survivors' state here
+        # a newcomer to a running job receives the survivors' state here (its module
+        # tensors may be the live parameters: read it before training on)
         self.restored_state = self._build(None, micro_batch, accumulation_steps)
 
     # -- building --------------------------------------------------------------------
@@ -291,9 +294,13 @@ class PolluxEngine:
         """Build the engine on the current group and restore ``state`` (collective; a
         newcomer passes None and receives the survivors' state, if there are any)."""
         compat.release_group_caches()
-        self.engine = self._recipe.build(_world_size(), micro, steps)[0]
+        holders = state_holders(state is not None) if _world_size() > 1 else None
+        sync = (compat.module_sync(lambda engine: share_module(engine, holders)) if holders
+                else contextlib.nullcontext())  # (a fresh start: DeepSpeed's broadcast)
+        with sync:
+            self.engine = self._recipe.build(_world_size(), micro, steps)[0]
         compat.check_supported(self.engine)
-        restored = restore(self.engine, state)
+        restored = restore(self.engine, state, holders)
         self._attach()
         if restored is not None:
             mine = restored.get("client", {}).get("pollux")

@@ -8,16 +8,21 @@ without restarting, the adapter:
    state into a **consolidated**, world-size-independent form keyed by parameter name
    (module state dict, fp32 master weights, per-parameter optimizer state, parameter-group
    hyper-parameters, LR scheduler, loss scaler, engine step counters, client state).
-   ZeRO-1/2 partitions are all-gathered (one collective per parameter group and dtype),
+   ZeRO-1/2 partitions are gathered (each replica broadcasts its own in turn),
    so every old replica ends up with the whole state; the fp32 master weights are left
    out when they equal the module's parameters (fp32 training).
 2. :func:`detach` - release the old engine (hooks off the user's module).
 3. the rendezvous destroys the process group and forms the new one (not this module);
 4. :func:`rebuild` / :func:`restore` - on the *new* group, every new replica together:
-   build a new engine, then restore: replicas without the state (newcomers) receive, point
-   to point from a survivor, what they need - the state's light part (a JSON skeleton and
-   one flat buffer per dtype, no pickle) and only their own partitions of the optimizer
-   state (:func:`_share`); each survivor cuts its own partitions for the new size.
+   build a new engine (``PolluxEngine`` has the survivors send newcomers the module's
+   parameters point to point, :func:`share_module`, where DeepSpeed would broadcast them
+   from rank 0 to everyone), then restore: replicas without the state (newcomers)
+   receive, point to point from a survivor, what they need - the state's light part (a
+   JSON skeleton and the small tensors, no pickle) and only their own partitions of the
+   optimizer state, straight into the engine's buffers (:func:`_share`); each survivor
+   cuts its own partitions for the new size. The module's tensors in the state are not
+   copies: a rebuilt engine flattens the parameters where they lie
+   (``compat.flat_buffers_reused``), so they may be the live parameters.
 
 The consolidated state is plain nested dicts/lists of tensors and numbers, the format of
 ``pollux_launch.rendezvous.process_group.send_state`` and ``broadcast_state``::
@@ -39,13 +44,13 @@ The same format comes out of every ZeRO stage, so states can be compared across 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pollux_launch.rendezvous.process_group import recv_state, send_state
+from pollux_launch.rendezvous.process_group import recv_state, send_state, share_state
 
 from . import compat
 
@@ -67,7 +72,10 @@ def capture(engine: Any, client_state: dict[str, Any] | None = None) -> EngineSt
     state: EngineState = {
         "format": FORMAT,
         "zero_stage": stage,
-        "module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+        # not copied: a rebuild flattens the parameters into new memory and leaves these
+        # as they are (the build's broadcast of rank 0's parameters, equal on every
+        # replica, aside)
+        "module": {k: v.detach() for k, v in engine.module.state_dict().items()},
         "counters": compat.get_counters(engine),
         "lr_scheduler": (engine.lr_scheduler.state_dict()
                          if engine.lr_scheduler is not None else None),
@@ -98,16 +106,21 @@ def _capture_torch_optimizer(opt: torch.optim.Optimizer, names: dict[int, str]
 
 
 def _gather_flats(zg: compat.ZeroGroup, partitions: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The whole padded flat buffers of several same-dtype tensor kinds (master weights,
-    exp_avg, ...) from every replica's partitions, in one all-gather."""
+    """The whole padded flat buffers of several same-size tensor kinds (master weights,
+    exp_avg, ...) from every replica's partitions, each straight into its own flat
+    buffer: every replica broadcasts its partition in turn (gloo's all-gather moves
+    ~100 MB/s on loopback, its broadcast ~1 GB/s)."""
     if len(set(zg.partition_sizes)) != 1:
         raise RuntimeError("unequal ZeRO partitions: not produced by DeepSpeed 0.19.8")
-    n, k = partitions[0].numel(), len(partitions)
-    local = torch.cat([t.detach().reshape(-1) for t in partitions])
-    out = torch.empty(zg.world * k * n, dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(out, local, group=zg.group)
-    grid = out.view(zg.world, k, n)
-    return [grid[:, i].reshape(-1) for i in range(k)]
+    out = []
+    for t in partitions:
+        n = t.numel()
+        flat = torch.empty(zg.world * n, dtype=t.dtype, device=t.device)
+        flat[zg.rank * n:(zg.rank + 1) * n] = t.detach().reshape(-1)
+        for r in range(zg.world):
+            dist.broadcast(flat[r * n:(r + 1) * n], group=zg.group, group_src=r)
+        out.append(flat)
+    return out
 
 
 def _split_flat(zg: compat.ZeroGroup, flat: torch.Tensor, names: dict[int, str]
@@ -133,7 +146,7 @@ def _master_is_module(engine: Any, zgroups: list[compat.ZeroGroup]) -> bool:
 
 def _capture_zero(engine: Any, names: dict[int, str]) -> tuple[dict | None, dict]:
     """(master weights or None when they equal the module's, optimizer state); one
-    all-gather per parameter group and dtype."""
+    gather per parameter group and tensor kind."""
     basic = compat.basic_optimizer(engine)
     zgroups = list(compat.zero_groups(engine))
     keep_master = not _master_is_module(engine, zgroups)
@@ -196,25 +209,36 @@ def rebuild(build: Callable[[], Any], state: EngineState | None) -> Any:
     return built
 
 
-def _holders(have: bool) -> list[int]:
-    """The ranks that hold a state (one small all-reduce)."""
+def share_module(engine: Any, holders: list[int]) -> None:
+    """The module's parameters from the ranks in ``holders`` (alike on each, as on
+    data-parallel replicas) to the others, in place and point to point
+    (``share_state``): what building the engine would broadcast from rank 0 to every
+    rank, survivors included. Nothing moves when every rank holds them (a shrink)."""
+    params = {n: p.data for n, p in engine.module.named_parameters()}
+    share_state(params, holders, into=params)
+
+
+def state_holders(have: bool) -> list[int]:
+    """The ranks that hold a state (one small all-reduce on the current group)."""
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
     flags[dist.get_rank()] = int(have)
     dist.all_reduce(flags)
     return flags.nonzero().flatten().tolist()
 
 
-def restore(engine: Any, state: EngineState | None) -> EngineState | None:
+def restore(engine: Any, state: EngineState | None, holders: list[int] | None = None
+            ) -> EngineState | None:
     """Load a consolidated state into ``engine`` (built for the current world size).
 
-    Collective: every rank calls it, with its state or ``None``. If nobody has a state
-    (a fresh start) nothing happens and ``None`` is returned. Otherwise ranks without one
+    Collective: every rank calls it, with its state or ``None`` (``holders``: the ranks
+    with one, if :func:`state_holders` was asked already). If nobody has a state (a fresh
+    start) nothing happens and ``None`` is returned. Otherwise ranks without one
     (newcomers) receive what they need (:func:`_share`), every rank loads it, and the
     state is returned - a newcomer's at ZeRO-1/2 with ``"partial": True`` (its own
     partitions of the optimizer state only).
     """
     if dist.is_initialized() and dist.get_world_size() > 1:
-        holders = _holders(state is not None)
+        holders = state_holders(state is not None) if holders is None else holders
         if not holders:
             return None
         if len(holders) < dist.get_world_size():
@@ -251,8 +275,9 @@ def _share(engine: Any, state: EngineState | None, holders: list[int]) -> Engine
     *light* part (everything but the parameter-shaped tensors: buffers, counters,
     hyper-parameters, scheduler, client) and the parameter-shaped optimizer tensors it
     needs - at ZeRO-1/2 only its own partitions, at ZeRO-0 all of them. The module's
-    parameters are already rank 0's everywhere: a DeepSpeed engine broadcasts them when it
-    is built (``compat.engine_broadcasts_module``).
+    parameters are already the holders' everywhere: building the engine synced them
+    (:func:`share_module`, or DeepSpeed's own broadcast from rank 0:
+    ``compat.engine_broadcasts_module``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     stage = compat.check_supported(engine)
@@ -265,13 +290,15 @@ def _share(engine: Any, state: EngineState | None, holders: list[int]) -> Engine
         sender = holders[i % len(holders)]  # spread the sending over the holders
         if rank == sender:
             send_state(light, r)
-            for flat in _by_dtype(_heavy_tensors(state, light, zgroups, params, r, stage)):
-                dist.send(flat, r)
+            _send_heavy(state, light, zgroups, params, r, stage)
         elif rank == r:
             state = recv_state(sender)
-            for name, p in params.items():  # the engine's own, as broadcast when built
-                state["module"].setdefault(name, p.detach().clone())
-            _recv_heavy(state, zgroups, params, sender, stage)
+            for name, p in params.items():  # the engine's own, as synced when built
+                state["module"].setdefault(name, p.detach())
+            if stage:
+                _recv_partitions(engine, state, zgroups, sender)
+            else:
+                _recv_heavy(state, params, sender)
     assert state is not None
     return state
 
@@ -312,26 +339,39 @@ def _light(state: EngineState, params: dict[str, torch.nn.Parameter], module_syn
 
 def _heavy_tensors(state: EngineState, light: EngineState, zgroups: list[compat.ZeroGroup],
                    params: dict[str, torch.nn.Parameter], rank: int, stage: int
-                   ) -> list[torch.Tensor]:
+                   ) -> Iterator[torch.Tensor]:
     """What a newcomer at ``rank`` needs, in a fixed order: per parameter group, the
     master weights (if the state has them) and each heavy key - cut to ``rank``'s
-    partition at ZeRO-1/2, whole per-parameter tensors at ZeRO-0."""
+    partition at ZeRO-1/2 (into one buffer per dtype, reused: take each before the
+    next), whole per-parameter tensors at ZeRO-0."""
     names = {id(p): n for n, p in params.items()}
-    out: list[torch.Tensor] = []
     heavy = light["heavy"]
+    scratch: dict[torch.dtype, torch.Tensor] = {}
     for gi, (keys, group) in enumerate(zip(heavy["keys"], state["optimizer"]["param_groups"],
                                           strict=True)):
         gnames = group["param_names"]
-        per_key = [(k, {n: state["optimizer"]["state"][n][k] for n in gnames}) for k in keys]
+        per_key = [{n: state["optimizer"]["state"][n][k] for n in gnames} for k in keys]
         if stage == 0:
-            out += [t for _, per in per_key for t in per.values()]
+            yield from (t for per in per_key for t in per.values())
             continue
         zg = dataclasses.replace(zgroups[gi], rank=rank)  # the newcomer's partition
-        if heavy["master"]:
-            out.append(_cut_partition(zg, state["master"], names, zg.fp32.dtype))
-        out += [_cut_partition(zg, per, names, next(iter(per.values())).dtype)
-                for _, per in per_key]
-    return out
+        size = zg.partition_sizes[rank]
+        kinds = [state["master"]] if heavy["master"] else []
+        for tensors in kinds + per_key:
+            dtype = next(iter(tensors.values())).dtype
+            buf = scratch.get(dtype)
+            if buf is None or buf.numel() != size:
+                buf = scratch[dtype] = torch.empty(size, dtype=dtype, device=zg.fp32.device)
+            yield _cut_partition(zg, tensors, names, dtype, out=buf)
+
+
+def _send_heavy(state: EngineState, light: EngineState, zgroups: list[compat.ZeroGroup],
+                params: dict[str, torch.nn.Parameter], rank: int, stage: int) -> None:
+    """Send the newcomer at ``rank`` its heavy tensors: at ZeRO-1/2 one message per
+    partition, at ZeRO-0 (one tensor per parameter) one per dtype."""
+    tensors = _heavy_tensors(state, light, zgroups, params, rank, stage)
+    for t in (_by_dtype(list(tensors)) if stage == 0 else tensors):
+        dist.send(t, rank)
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -340,32 +380,20 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d]) for d in dtypes]
 
 
-def _recv_heavy(state: EngineState, zgroups: list[compat.ZeroGroup],
-                params: dict[str, torch.nn.Parameter], sender: int, stage: int) -> None:
-    """Receive the heavy tensors a holder sends in :func:`_share` into ``state`` (a
-    newcomer's)."""
+def _recv_heavy(state: EngineState, params: dict[str, torch.nn.Parameter], sender: int
+                ) -> None:
+    """ZeRO-0: receive the heavy tensors a holder sends in :func:`_share` into ``state``
+    (a newcomer's)."""
     heavy = state.pop("heavy")
     per_param = state["optimizer"]["state"]
     # the sender's layout, rebuilt from the light state and the local engine
     slots: list[tuple[torch.Size, torch.dtype, Callable[[torch.Tensor], None]]] = []
-    partitions: list[dict[str, torch.Tensor]] = []
-    for gi, (keys, dtypes, group) in enumerate(zip(
-            heavy["keys"], heavy["dtypes"], state["optimizer"]["param_groups"], strict=True)):
-        part: dict[str, torch.Tensor] = {}
-        partitions.append(part)
-        if stage == 0:
-            for k, dt in zip(keys, dtypes, strict=True):
-                for n in group["param_names"]:
-                    slots.append((params[n].shape, getattr(torch, dt),
-                                  lambda t, n=n, k=k: per_param[n].__setitem__(k, t)))
-            continue
-        zg = zgroups[gi]
-        size = torch.Size([zg.partition_sizes[zg.rank]])
-        if heavy["master"]:
-            slots.append((size, zg.fp32.dtype, lambda t, part=part: part.__setitem__(MASTER, t)))
+    for keys, dtypes, group in zip(heavy["keys"], heavy["dtypes"],
+                                   state["optimizer"]["param_groups"], strict=True):
         for k, dt in zip(keys, dtypes, strict=True):
-            slots.append((size, getattr(torch, dt),
-                          lambda t, part=part, k=k: part.__setitem__(k, t)))
+            for n in group["param_names"]:
+                slots.append((params[n].shape, getattr(torch, dt),
+                              lambda t, n=n, k=k: per_param[n].__setitem__(k, t)))
     for dtype in sorted({d for _, d, _ in slots}, key=str):
         mine = [(shape, put) for shape, d, put in slots if d == dtype]
         sizes = [shape.numel() for shape, _ in mine]
@@ -373,9 +401,38 @@ def _recv_heavy(state: EngineState, zgroups: list[compat.ZeroGroup],
         dist.recv(flat, sender)
         for (shape, put), piece in zip(mine, torch.split(flat, sizes), strict=True):
             put(piece.view(shape))
-    if stage:
-        state["partitions"] = partitions
-        state["partial"] = True
+
+
+def _recv_partitions(engine: Any, state: EngineState, zgroups: list[compat.ZeroGroup],
+                     sender: int) -> None:
+    """ZeRO-1/2: receive this newcomer's partitions (:func:`_share`), each straight into
+    the engine's own tensor where one fits (the fp32 master partition; the optimizer
+    state DeepSpeed created when it built the engine), else into a new one."""
+    heavy = state.pop("heavy")
+    basic = compat.basic_optimizer(engine)
+    partitions: list[dict[str, torch.Tensor]] = []
+    for zg, keys, dtypes in zip(zgroups, heavy["keys"], heavy["dtypes"], strict=True):
+        size, own = zg.partition_sizes[zg.rank], basic.state.get(zg.fp32, {})
+        slots = [(MASTER, zg.fp32.dtype, zg.fp32.data)] if heavy["master"] else []
+        slots += [(k, getattr(torch, dt), own.get(k))
+                  for k, dt in zip(keys, dtypes, strict=True)]
+        part: dict[str, torch.Tensor] = {}
+        for key, dtype, target in slots:
+            buf = _fitting(target, size, dtype)
+            if buf is None:
+                buf = torch.empty(size, dtype=dtype, device=zg.fp32.device)
+            dist.recv(buf, sender)
+            part[key] = buf
+        partitions.append(part)
+    state["partitions"] = partitions
+    state["partial"] = True
+
+
+def _fitting(t: Any, size: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` if a partition of ``size`` elements of ``dtype`` can be written into it."""
+    ok = (torch.is_tensor(t) and t.dtype == dtype and t.dim() == 1 and t.numel() == size
+          and t.is_contiguous())
+    return t if ok else None
 
 
 def _check_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]],
@@ -401,15 +458,22 @@ def _restore_torch_optimizer(engine: Any, saved: dict[str, Any]) -> None:
 
 
 def _cut_partition(zg: compat.ZeroGroup, tensors: dict[str, torch.Tensor],
-                   names: dict[int, str], dtype: torch.dtype) -> torch.Tensor:
-    """This replica's partition of the padded flat buffer built from per-param tensors."""
+                   names: dict[int, str], dtype: torch.dtype, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """This replica's partition of the padded flat buffer built from per-param tensors
+    (written into ``out`` if given)."""
     start, size = zg.start, zg.partition_sizes[zg.rank]
-    out = torch.zeros(size, dtype=dtype, device=zg.fp32.device)
+    pieces = []
     for p, off in zip(zg.params, zg.offsets, strict=True):
         lo, hi = max(off, start), min(off + p.numel(), start + size)
         if lo < hi:  # the parameter overlaps this partition
-            src = tensors[names[id(p)]].reshape(-1)
-            out[lo - start: hi - start] = src[lo - off: hi - off]
+            pieces.append((lo, hi, tensors[names[id(p)]].reshape(-1)[lo - off: hi - off]))
+    if out is None:
+        out = torch.zeros(size, dtype=dtype, device=zg.fp32.device)
+    elif sum(hi - lo for lo, hi, _ in pieces) < size:  # padding
+        out.zero_()
+    for lo, hi, src in pieces:
+        out[lo - start: hi - start] = src
     return out
 
 
@@ -429,15 +493,19 @@ def _restore_zero(engine: Any, state: EngineState) -> None:
         if MASTER in got:
             zg.fp32.data.copy_(got[MASTER])
         else:
-            zg.fp32.data.copy_(_cut_partition(zg, master, names, zg.fp32.dtype))
+            _cut_partition(zg, master, names, zg.fp32.dtype, out=zg.fp32.data)
         group.update({k: v for k, v in sg.items() if k != "param_names"})
         first = saved["state"].get(sg["param_names"][0], {})
+        own = basic.state.get(zg.fp32, {})  # as DeepSpeed's build created it
         new_state: dict[str, Any] = {}
         for key, value in first.items():
+            if key in got:
+                continue  # a newcomer's, received
             per = {n: saved["state"][n][key] for n in sg["param_names"]}
             if torch.is_tensor(value) and all(
                     per[names[id(p)]].shape == p.shape for p in zg.params):
-                new_state[key] = _cut_partition(zg, per, names, value.dtype)
+                out = _fitting(own.get(key), zg.partition_sizes[zg.rank], value.dtype)
+                new_state[key] = _cut_partition(zg, per, names, value.dtype, out=out)
             else:
                 new_state[key] = value.clone() if torch.is_tensor(value) else value
         new_state.update({k: t for k, t in got.items() if k != MASTER})

@@ -52,7 +52,7 @@ from pollux_launch.elastic.controller import (
     HintsReporter,
     checkpoint_writer,
 )
-from pollux_launch.rendezvous.process_group import broadcast_state
+from pollux_launch.rendezvous.process_group import broadcast_state, share_state, vote_any
 from pollux_launch.tuning.gns import GradNoise
 from pollux_launch.tuning.hooks import attach_measurement
 from pollux_launch.tuning.progress import StatisticalProgress
@@ -281,8 +281,11 @@ class ElasticTrainer:
         return state
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Load ``state`` (a survivor's share of a grow has no model or optimizer)."""
+        if "model" in state:
+            self.module.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.hooks.monitor.load_state_dict(state["monitor"])
         for name, obj in self._extra.items():
             obj.load_state_dict(state["extra"][name])
@@ -329,11 +332,37 @@ class _TorchHooks:
         newcomers = info is not None and info.needs_state_sync
         if p.world_size == 1 or not (from_rank0 or (t.job.elastic and newcomers)):
             return None
-        mine = {"fw": t._state(), "ctl": controller_state} if p.rank == 0 else None
-        got = broadcast_state(mine)
+        holders = info.holders if info is not None and t.job.elastic else []
+        if holders and info.newcomers and info.reason != "failure":
+            # a grow: newcomers need the state; survivors keep theirs unless one of them
+            # may be a step apart (it re-formed after a failure) - all ranks agree
+            apart = from_rank0 and p.rank in holders
+            if not vote_any(apart, t.job.rdzv.group):
+                return self._share(controller_state, holders)
+        mine = {"fw": t._state(), "ctl": controller_state}
+        # rank 0's state everywhere; a rank without state of its own receives into its
+        # tensors, a survivor apart from them (whole, should this broadcast fail too)
+        got = broadcast_state(mine, into=None if p.rank in holders else mine)
         if p.rank == 0:
             return None
         t._restore(_steps_on_cpu(got["fw"], t.optimizer))
+        return got["ctl"]
+
+    def _share(self, controller_state: dict[str, Any], holders: list[int]
+               ) -> dict[str, Any] | None:
+        """A grow: the model and optimizer state, alike on every surviving DDP replica,
+        goes to the newcomers only, point to point from the survivors at once
+        (``share_state``); the rest, small, from rank 0 to every rank as before."""
+        t, rank = self.t, self.t.job.placement.rank
+        light = t._state()
+        heavy = {k: light.pop(k) for k in ("model", "optimizer")}
+        mine = {"fw": light, "ctl": controller_state}
+        got = broadcast_state(mine, into=mine)
+        heavy = share_state(heavy, holders, into=heavy)
+        if rank == 0:
+            return None
+        fw = got["fw"] if rank in holders else {**got["fw"], **heavy}
+        t._restore(_steps_on_cpu(fw, t.optimizer))
         return got["ctl"]
 
     def leave(self) -> None:
@@ -352,7 +381,8 @@ def _steps_on_cpu(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> di
     """Received over nccl, every tensor is on the GPU - the optimizers' ``step`` counts
     too, which torch keeps on the CPU unless ``capturable``/``fused`` (and which
     ``load_state_dict`` does not move): put them back where rank 0 holds them."""
-    if any(g.get("capturable") or g.get("fused") for g in optimizer.param_groups):
+    if "optimizer" not in state or any(g.get("capturable") or g.get("fused")
+                                       for g in optimizer.param_groups):
         return state
     for entry in state["optimizer"].get("state", {}).values():
         step = entry.get("step") if isinstance(entry, dict) else None
