@@ -53,6 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from worker_events import read_events  # benchmarks/worker_events.py, beside this script
+
 JOB = "bench-deepspeed"  # + "-zero<stage>"
 
 
@@ -152,15 +154,7 @@ class _Job:
         return wid
 
     def _read(self, wid: str, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and event.get("bench") == 1:
-                event["worker"] = wid
-                self.events.put(event)
+        read_events(wid, proc, self.events, keep=lambda e: e.get("bench") == 1)
 
     def wait(self, count: int, timeout: float = 300.0, **match: Any) -> list[dict]:
         got, deadline = [], time.monotonic() + timeout

@@ -100,6 +100,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from local_etcd import LocalEtcd  # benchmarks/local_etcd.py, beside this script
+from worker_events import read_events  # benchmarks/worker_events.py, beside this script
 
 from pollux_launch.rendezvous.store import Store
 
@@ -365,14 +366,7 @@ class Pool:
             threading.Thread(target=self._drain, args=(wid, proc), daemon=True).start()
 
     def _read(self, wid: str, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            event["worker"] = wid
-            self.events.put(event)
+        read_events(wid, proc, self.events)
 
     def _drain(self, wid: str, proc: subprocess.Popen) -> None:
         assert proc.stderr is not None

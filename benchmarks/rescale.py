@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from local_etcd import LocalEtcd  # benchmarks/local_etcd.py, beside this script
+from worker_events import read_events  # benchmarks/worker_events.py, beside this script
 
 JOB = "bench"
 
@@ -328,14 +329,7 @@ class Cluster:
         return wid
 
     def _read(self, wid: str, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            event["worker"] = wid
-            self.events.put(event)
+        read_events(wid, proc, self.events)
 
     def wait(self, count: int, timeout: float = 120.0, **match: object) -> list[dict]:
         """The first ``count`` events matching ``match``; others stay queued for later."""
