@@ -151,7 +151,7 @@ def _records(log_dir: Path) -> list[dict]:
         for line in path.read_text().splitlines():
             try:
                 out.append(json.loads(line))
-            except ValueError:
+            except ValueError:  # a line still being written: it is read again next time
                 pass
     return sorted(out, key=lambda r: r["t"])
 
