@@ -131,6 +131,16 @@ class _Tx:
         self.conn.execute("UPDATE meta SET value = ? WHERE name = 'revision'", (self.rev,))
 
 
+def _busy(exc: sqlite3.Error) -> bool:
+    """Whether SQLite refused because another connection holds a lock."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    # Python 3.10's sqlite3 exceptions carry no error code: only the text tells
+    msg = str(exc)
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in msg or "busy" in msg)
+
+
 class EmbeddedStore(Store):
     """A ``Store`` in one SQLite file; safe for many threads and processes on one host.
 
@@ -182,9 +192,28 @@ class EmbeddedStore(Store):
             return conn
         if self._pid != os.getpid():  # forked child: the parent's connections are not ours
             self._pid, self._conns = os.getpid(), []
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                conn = self._open()
+                break
+            except sqlite3.Error as exc:
+                # Switching a new file to WAL takes an exclusive lock and SQLite answers
+                # SQLITE_BUSY at once, without its busy handler, when another process is
+                # doing the same: retry that until the timeout like any other wait.
+                if not _busy(exc) or time.monotonic() >= deadline:
+                    raise self._error(exc) from None
+                time.sleep(random.uniform(0.005, 0.05))
+        self._local.conn, self._local.pid = conn, os.getpid()
+        with self._conns_lock:
+            self._conns.append(conn)
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
+        """A new connection in WAL mode with the schema in place (closed on failure)."""
+        conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
+                               check_same_thread=False)
         try:
-            conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
-                                   check_same_thread=False)
             # bytes that are not UTF-8 (written by other means) reach the message layer,
             # which refuses them, instead of failing the read
             conn.text_factory = lambda raw: raw.decode("utf-8", "surrogateescape")
@@ -194,16 +223,14 @@ class EmbeddedStore(Store):
                                  "(network file systems cannot); use a local path")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
-        except sqlite3.Error as exc:
-            raise self._error(exc) from None
-        self._local.conn, self._local.pid = conn, os.getpid()
-        with self._conns_lock:
-            self._conns.append(conn)
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _error(self, exc: sqlite3.Error) -> StoreError:
         msg = str(exc)
-        if "locked" in msg or "busy" in msg:
+        if _busy(exc):
             return StoreUnavailable(
                 f"embedded store {self.path}: another process held the lock for more than "
                 f"{self.timeout:g} s; retry, or raise the timeout option")
