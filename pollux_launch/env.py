@@ -32,6 +32,9 @@ LOG_LEVEL = "POLLUX_LOG_LEVEL"
 CHECKPOINT_DIR = "POLLUX_CHECKPOINT_DIR"  # the job's durable checkpoints (pollux-run flag)
 CHECKPOINT_INTERVAL = "POLLUX_CHECKPOINT_INTERVAL"  # seconds between them (default below)
 DEFAULT_CHECKPOINT_INTERVAL = 60.0
+# the job's adaptation policies, comma-separated built-in names or module:attribute
+# import paths (pollux-run --policy-module; pollux_launch.elastic.adaptation)
+POLICIES = "POLLUX_POLICIES"
 DEEPSPEED_KEEP_STATE = "POLLUX_DEEPSPEED_KEEP_STATE"  # keep engine.restored_state (tests)
 # Horovod newcomers started warm (adapters/horovod/warm.py): "0" in the launcher's
 # environment turns it off; the zygote's command (JSON); the socket a hand-off reaches it

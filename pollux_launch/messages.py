@@ -142,12 +142,19 @@ class JobHints:
     # seconds the survivors paused in the job's recent live rescales (the dearest of the
     # last few): the coordinator's measured delta for this job's re-allocation penalty
     rescale_s: float | None = within(0.0, 86400.0, None)
+    # the job's adaptation policies' replica request (pollux_launch.elastic.adaptation):
+    # the coordinator keeps it between them, within the spec's limits and the capacity
+    min_replicas_wanted: int | None = within(1, MAX_REPLICAS, None)
+    max_replicas_wanted: int | None = within(1, MAX_REPLICAS, None)
 
     def __post_init__(self) -> None:
         lo, hi = self.local_bsz_bounds
         if not (lo <= hi and self.init_batch_size <= self.max_batch_size):
             raise MessageError("JobHints: needs local_bsz_bounds lo <= hi and "
                                "init_batch_size <= max_batch_size")
+        if (self.min_replicas_wanted is not None and self.max_replicas_wanted is not None
+                and self.min_replicas_wanted > self.max_replicas_wanted):
+            raise MessageError("JobHints: needs min_replicas_wanted <= max_replicas_wanted")
         if self.perf_params is not None:
             from .goodput import PerfParams  # (the goodput core's own checks: names, ranges)
 

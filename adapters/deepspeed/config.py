@@ -75,6 +75,10 @@ class PolluxConfig:
             --checkpoint-dir``, else none. A job whose workers all died resumes there.
         checkpoint_interval: seconds between two checkpoints (written in the background);
             default: ``pollux-run --checkpoint-interval``.
+        policies: the job's adaptation policies in order, each a built-in name
+            (``pollux``: Pollux's goodput policy) or ``module:Class`` import path
+            (``pollux_launch.elastic.adaptation``). Default: ``["pollux"]``; a list given
+            replaces it. ``pollux-run --policy-module`` adds to it.
     """
 
     enabled: bool = False
@@ -86,6 +90,7 @@ class PolluxConfig:
     report_interval: float = 30.0
     checkpoint_dir: str | None = None
     checkpoint_interval: float | None = None
+    policies: tuple[str, ...] | None = None
 
     @property
     def min_micro_batch_size(self) -> int:
@@ -124,6 +129,7 @@ _FIELDS = {
     "report_interval": float,
     "checkpoint_dir": str,
     "checkpoint_interval": float,
+    "policies": list,
 }
 
 
@@ -238,11 +244,23 @@ def parse_pollux_config(config: str | Path | Mapping[str, Any] | None) -> Pollux
         raise PolluxConfigError(
             f"pollux.checkpoint_interval must be > 0 seconds, got {ckpt_every}")
 
+    policies = section.get("policies")
+    if policies is not None:
+        from pollux_launch.elastic.adaptation import PolicyError, check_spec
+
+        try:
+            policies = tuple(check_spec(p) if isinstance(p, str) else check_spec(repr(p))
+                             for p in policies)
+        except PolicyError as exc:
+            raise PolluxConfigError(f"pollux.policies: {str(exc).removeprefix('--policy-module ')}"
+                                    ) from None
+
     cfg = PolluxConfig(enabled=enabled, initial_batch_size=init, max_batch_size=max_bsz,
                        micro_batch_size_range=(lo, hi), lr_scaling=lr,
                        gradient_accumulation=accumulate, report_interval=float(report),
                        checkpoint_dir=ckpt_dir,
-                       checkpoint_interval=None if ckpt_every is None else float(ckpt_every))
+                       checkpoint_interval=None if ckpt_every is None else float(ckpt_every),
+                       policies=policies)
     if enabled:
         _check_conflicts(ds, cfg)
     return cfg

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pollux_launch import env as envvars
+from pollux_launch.elastic.adaptation import resolve_policies
 from pollux_launch.elastic.controller import ElasticController, HintsReporter
 from pollux_launch.elastic.failures import first_line, is_peer_failure
 from pollux_launch.tuning.gns import GradNoise
@@ -67,12 +68,13 @@ class ElasticDeepSpeed:
     received the job's state); ``job``: the worker's ``ElasticJob``; ``loader``: the
     pollux ``AdaptiveDataLoader`` or None when the script feeds data itself (it must then
     read ``engine.train_micro_batch_size_per_gpu()``, ``global_rank`` and
-    ``dp_world_size`` after every step); ``checkpoints``: a ``CheckpointWriter`` or None.
+    ``dp_world_size`` after every step); ``checkpoints``: a ``CheckpointWriter`` or None;
+    ``policies``: adaptation policies (None: the command line's, else Pollux's).
     """
 
     def __init__(self, handle: Any, job: Any, loader: Any = None, *,
                  decide_every: int = 20, min_gain: float = 0.05,
-                 checkpoints: Any = None) -> None:
+                 checkpoints: Any = None, policies: Any = None) -> None:
         from pollux_launch.adapters.torch.job import JobCollectives
 
         self.handle, self.job, self.loader = handle, job, loader
@@ -99,7 +101,8 @@ class ElasticDeepSpeed:
             membership=job if job.elastic else None,
             reporter=HintsReporter(lambda: job.store, job.name), loader=loader,
             decide_every=decide_every, adapt_lr=cfg.lr_scaling != NO_LR_SCALING,
-            checkpoints=checkpoints)
+            checkpoints=checkpoints,
+            policies=resolve_policies(policies, os.environ.get(envvars.POLICIES)))
         handle.driver = self
         restored = handle.restored_state
         if restored is not None and restored.get("client", {}).get("elastic"):

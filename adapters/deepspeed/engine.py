@@ -75,17 +75,19 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                model_parameters: Any = None, training_data: Any = None,
                lr_scheduler: Any = None, distributed_port: int | None = None, mpu: Any = None,
                dist_init_required: bool | None = None, collate_fn: Callable | None = None,
-               config: Any = None, mesh_param: Any = None, config_params: Any = None
-               ) -> tuple[Any, Any, Any, Any]:
+               config: Any = None, mesh_param: Any = None, config_params: Any = None,
+               policies: Any = None) -> tuple[Any, Any, Any, Any]:
     """Drop-in for ``deepspeed.initialize`` (same arguments, same returned
     ``(engine, optimizer, training_dataloader, lr_scheduler)``); see the module docstring.
+    ``policies``: adaptation policies (``pollux_launch.elastic.AdaptationPolicy``) that
+    replace the section's ``policies`` (under pollux-run only).
     Raises :class:`~.config.PolluxConfigError` for a bad ``"pollux"`` section."""
     kwargs = dict(args=args, model=model, optimizer=optimizer,
                   model_parameters=model_parameters, training_data=training_data,
                   lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
                   collate_fn=collate_fn, mesh_param=mesh_param)
     return _initialize(kwargs, distributed_port, config, config_params,
-                       "elastic" if JOB_ENV in os.environ else "static")
+                       "elastic" if JOB_ENV in os.environ else "static", policies)
 
 
 def initialize_handle(args: Any = None, model: torch.nn.Module | None = None,
@@ -105,7 +107,8 @@ def initialize_handle(args: Any = None, model: torch.nn.Module | None = None,
 
 
 def _initialize(kwargs: dict[str, Any], distributed_port: int | None, config: Any,
-                config_params: Any, mode: str) -> tuple[Any, Any, Any, Any]:
+                config_params: Any, mode: str, policies: Any = None
+                ) -> tuple[Any, Any, Any, Any]:
     _default_accelerator()
     import deepspeed
 
@@ -128,7 +131,7 @@ def _initialize(kwargs: dict[str, Any], distributed_port: int | None, config: An
         ds_config.pop("pollux", None)
         return deepspeed.initialize(config=ds_config, **kwargs)
     if mode == "elastic":
-        return _initialize_elastic(deepspeed, kwargs, ds_config, pollux)
+        return _initialize_elastic(deepspeed, kwargs, ds_config, pollux, policies)
     deepspeed.init_distributed(dist_init_required=kwargs["dist_init_required"])
     world = _world_size()
     micro, steps = pollux.initial_micro_batch(world)
@@ -146,7 +149,8 @@ def _default_accelerator() -> None:
 
 
 def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[str, Any],
-                        pollux: PolluxConfig) -> tuple[Any, Any, Any, Any]:
+                        pollux: PolluxConfig, policies: Any = None
+                        ) -> tuple[Any, Any, Any, Any]:
     """Under pollux-run: join the job's rendezvous, build the engine for the current round
     (a newcomer to a running job receives its state), hand it to the elastic driver."""
     from pollux_launch.adapters.torch.data import AdaptiveDataLoader
@@ -176,8 +180,12 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
     micro, steps = pollux.initial_micro_batch(_world_size())
     handle = PolluxEngine(recipe, pollux, micro, steps)
     handle.loader = loader
+    if policies is None and pollux.policies is not None:
+        from pollux_launch.elastic.adaptation import load_policies
+
+        policies = load_policies(",".join(pollux.policies))
     ElasticDeepSpeed(handle, job, loader, checkpoints=checkpoint_writer(
-        pollux.checkpoint_dir, pollux.checkpoint_interval))
+        pollux.checkpoint_dir, pollux.checkpoint_interval), policies=policies)
     return handle, handle.live("optimizer"), loader, handle.live("lr_scheduler")
 
 

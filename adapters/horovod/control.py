@@ -38,11 +38,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from pollux_launch import env as envvars
+from pollux_launch.elastic.adaptation import AdaptationPolicy, resolve_policies
 from pollux_launch.elastic.controller import ElasticController, HintsReporter
 from pollux_launch.tuning.gns import GNSEstimator, GradNoise
 from pollux_launch.tuning.progress import StatisticalProgress
@@ -97,6 +100,7 @@ class HorovodControl:
         min_gain: float = 0.05,
         dataset_size: int | None = None,
         on_decision: Callable[[int, int, float], None] | None = None,
+        policies: Sequence[AdaptationPolicy] | None = None,
     ) -> None:
         if not isinstance(local_bsz, int) or local_bsz < 1:
             raise ValueError(f"local_bsz must be a positive integer, got {local_bsz!r}")
@@ -125,6 +129,7 @@ class HorovodControl:
                 dataset_size = None
         self.dataset_size = dataset_size
         self.on_decision = on_decision
+        self.policies = resolve_policies(policies, os.environ.get(envvars.POLICIES))
         self.tuner: GoodputTuner | None = None  # built at the first sync (needs M0)
         self.controller: ElasticController | None = None
         self.lr_factor = 1.0
@@ -182,6 +187,21 @@ class HorovodControl:
         if self.controller is not None:
             self.controller.after_step(self.batch_size)
 
+    def before_epoch(self, epoch: int) -> None:
+        """All ranks, before each epoch: the adaptation policies' ``before_epoch``."""
+        if self.controller is not None:
+            self.controller.before_epoch(epoch)
+
+    def after_epoch(self, epoch: int) -> None:
+        """All ranks, after each epoch: the policies' ``after_epoch`` and a decision."""
+        if self.controller is not None:
+            self.controller.after_epoch(epoch)
+
+    @property
+    def stopped(self) -> bool:
+        """An adaptation policy ended training: the script's loop should end."""
+        return self.controller is not None and self.controller.stopped
+
     @property
     def steps(self) -> int:
         return self.controller.steps if self.controller is not None else 0
@@ -209,7 +229,8 @@ class HorovodControl:
             m.estimator = GNSEstimator(m0, m.smoothing)
         self.controller = ElasticController(
             _HorovodHooks(self), self.tuner, _HorovodGroup(self.hvd),
-            reporter=HintsReporter.from_env(), decide_every=self.decide_every)
+            reporter=HintsReporter.from_env(), decide_every=self.decide_every,
+            policies=self.policies)
 
     def _grad(self) -> GradNoise | None:
         return self.controller.grad if self.controller is not None else None
@@ -245,6 +266,14 @@ class _HorovodGroup:
 
     def broadcast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return self.hvd.broadcast(tensor, 0, name=name)
+
+    def allreduce(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        hvd = self.hvd
+        ops = {"sum": hvd.Sum, "mean": hvd.Average, "max": hvd.Max, "min": hvd.Min}
+        return hvd.allreduce(tensor, op=ops[op], name=name)
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return self.hvd.allgather(tensor.reshape(1, -1), name=name)
 
 
 class _HorovodHooks:

@@ -186,6 +186,7 @@ def DistributedOptimizer(
     report_interval: float = 30.0,
     decide_every: int = 20,
     on_decision: Callable[[int, int, float], None] | None = None,
+    policies: Any = None,
 ) -> Any:
     """Same arguments and behaviour as ``hvd.DistributedOptimizer``; keyword-only extras:
 
@@ -200,7 +201,9 @@ def DistributedOptimizer(
     ``m * backward_passes_per_step``), ``max_batch_size`` (default ``M0``: fixed total
     batch), ``local_bsz_bounds``, ``lr_scaling`` ("auto": AdaScale for SGD, "sqrt" for
     Adam; or "linear", "legw", a function), ``report_interval`` (seconds between hints),
-    ``decide_every`` (steps between decisions), ``on_decision(m, s, lr_factor)``.
+    ``decide_every`` (steps between decisions), ``on_decision(m, s, lr_factor)``,
+    ``policies`` (adaptation policies, ``pollux_launch.elastic.AdaptationPolicy``; None:
+    ``pollux-run --policy-module``'s, else Pollux's goodput policy).
     """
     if op == hvd.Adasum:
         raise ValueError("op=hvd.Adasum is not supported by pollux_launch's "
@@ -232,6 +235,6 @@ def DistributedOptimizer(
             data_loader=data_loader, init_batch_size=init_batch_size,
             max_batch_size=max_batch_size, local_bsz_bounds=local_bsz_bounds,
             lr_scaling=lr_scaling, report_interval=report_interval, decide_every=decide_every,
-            on_decision=on_decision)
+            on_decision=on_decision, policies=policies)
     _register_state_handler()
     return opt

@@ -249,6 +249,7 @@ class AdaptiveDataLoader:
         # set by the trainer's epochs(): the loop counts statistical epochs, not data ones
         self.statistical_epochs = False
         self._warned_loop = False
+        self.stopped = False  # an adaptation policy ended training (stop())
 
     # -- configuration -----------------------------------------------------------------
     @staticmethod
@@ -290,6 +291,11 @@ class AdaptiveDataLoader:
         self._pending = {}
         return True
 
+    def stop(self) -> None:
+        """End iteration after the current optimiser step, for good (every rank calls it
+        at the same step: an adaptation policy's ``stop()``)."""
+        self.stopped = True
+
     def abort_step(self) -> None:
         """Drop the optimiser step in flight and re-plan from the (possibly just loaded)
         sampler position at the next batch: used after a peer failure."""
@@ -307,6 +313,8 @@ class AdaptiveDataLoader:
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        if self.stopped:
+            return
         self._warn_fixed_loop()
         self._micro = 0
         self._apply()
@@ -330,6 +338,8 @@ class AdaptiveDataLoader:
                     if self.on_step_boundary is not None:
                         self.on_step_boundary()  # set_* calls in it stay pending until...
                     self._micro = 0
+                    if self.stopped:
+                        return  # (the epoch is left where it stands: nothing is skipped)
                     if self._apply():  # ...here, so the rest of the epoch is re-planned
                         restart = True  # re-plan the rest of the epoch for the new shape
                         break

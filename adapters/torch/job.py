@@ -17,6 +17,7 @@ import atexit
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,17 +120,36 @@ class JobCollectives:
     def num_nodes(self) -> int:
         return self.job.placement.num_nodes
 
-    def broadcast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+    def _where(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """The process group to use and ``tensor`` on its device: the round's gloo control
+        group, or the default group (a static nccl group moves device tensors only)."""
         group = self.job.rdzv.group if self.job.rdzv is not None else None
         if group is not None:
-            dist.broadcast(tensor, 0, group=group.control)
-            return tensor
-        if dist.get_backend() == "nccl":  # a static nccl group moves device tensors only
-            moved = tensor.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.broadcast(moved, 0)
-            return moved.cpu()
-        dist.broadcast(tensor, 0)
-        return tensor
+            return group.control, tensor
+        if dist.get_backend() == "nccl":
+            return None, tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        return None, tensor
+
+    def broadcast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        group, t = self._where(tensor)
+        dist.broadcast(t, 0, group=group)
+        return t.cpu() if t is not tensor else tensor
+
+    def allreduce(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        group, t = self._where(tensor)
+        dist.all_reduce(t, op=_OPS[op], group=group)
+        t = t.cpu()
+        return t / self.world_size if op == "mean" else t
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        group, t = self._where(tensor)
+        rows = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(rows, t, group=group)
+        return torch.stack(rows).cpu()
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN}
 
 
 # The process's job once init() ran: a process belongs to one job at a time, as it has one

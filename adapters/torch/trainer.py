@@ -24,6 +24,10 @@ around ``optimizer.step()`` and undone right after (the user's scheduler never s
 and the training state (model, optimizer, scheduler, scaler, gradient monitor, extras)
 that newcomers receive by broadcast and checkpoints keep.
 
+Adaptation policies (``policies=[...]``, or ``pollux-run --policy-module``; default:
+Pollux's goodput policy) run at these boundaries: see :mod:`pollux_launch.elastic.adaptation`.
+``trainer.stopped`` tells that one ended training.
+
 A collective that fails because a peer died is caught - in backward, in DDP's forward or
 at a boundary: the survivors move to a failure round, take rank 0's state and go on; only
 the step in flight is lost.
@@ -40,13 +44,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from pollux_launch import env as envvars
+from pollux_launch.elastic.adaptation import AdaptationPolicy, resolve_policies
 from pollux_launch.elastic.controller import (
     ElasticController,
     HintsReporter,
@@ -82,6 +89,7 @@ class ElasticTrainer:
         ddp_kwargs: dict[str, Any] | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_interval: float | None = None,
+        policies: Sequence[AdaptationPolicy] | None = None,
     ) -> None:
         self.job = job or init()
         self.module, self.optimizer, self.loader = model, optimizer, loader
@@ -113,7 +121,8 @@ class ElasticTrainer:
             membership=self.job if self.job.elastic else None,
             reporter=HintsReporter(lambda: self.job.store, self.job.name), loader=loader,
             decide_every=decide_every,
-            checkpoints=checkpoint_writer(checkpoint_dir, checkpoint_interval))
+            checkpoints=checkpoint_writer(checkpoint_dir, checkpoint_interval),
+            policies=resolve_policies(policies, os.environ.get(envvars.POLICIES)))
         loader.on_step_boundary = self._on_boundary
         info = self.job.info
         self.controller.start(fresh=info is None or info.fresh,
@@ -135,6 +144,11 @@ class ElasticTrainer:
     def steps(self) -> int:
         """Optimiser steps of the job so far (resumed ones included)."""
         return self.controller.steps
+
+    @property
+    def stopped(self) -> bool:
+        """An adaptation policy ended training (``epochs()`` and the loader stop too)."""
+        return self.controller.stopped
 
     @property
     def checkpoints(self) -> Any:

@@ -72,6 +72,21 @@ def model_speedup(hints: JobHints) -> SpeedupFn | None:
     )
 
 
+def wanted_range(spec: JobSpec, hints: JobHints | None, max_replicas: int) -> tuple[int, int]:
+    """The job's replica range for the policy: the spec's ``[min, max]`` (``max_replicas``:
+    after the exploration cap) narrowed by its adaptation policies' request, which the
+    spec's limits bound (a request may lift the exploration cap: the job asked)."""
+    lo, hi = spec.min_replicas, max(spec.min_replicas, max_replicas)
+    if hints is None:
+        return lo, hi
+    if hints.min_replicas_wanted is not None:
+        lo = min(max(lo, hints.min_replicas_wanted), spec.max_replicas)
+        hi = max(hi, lo)
+    if hints.max_replicas_wanted is not None:
+        hi = max(lo, min(hi, hints.max_replicas_wanted))
+    return lo, hi
+
+
 def job_info(
     spec: JobSpec,
     hints: JobHints | None,
@@ -109,6 +124,7 @@ def job_info(
     elif hints is not None:
         cap = max(exploration_cap(hints.max_profiled_replicas), spec.initial_replicas)
         max_replicas = min(max_replicas, cap)
+    lo, hi = wanted_range(spec, hints, max_replicas)
     running = allocation is not None and allocation.num_replicas > 0
     return JobInfo(
         name=spec.name,
@@ -116,8 +132,8 @@ def job_info(
         age=max(MIN_AGE_S, now - spec.submit_time),
         # every version after the first moved a running job: a re-allocation (R_j)
         restarts=max(0, allocation.version - 1) if allocation else 0,
-        min_replicas=spec.min_replicas,
-        max_replicas=max(spec.min_replicas, max_replicas),
+        min_replicas=lo,
+        max_replicas=hi,
         preemptible=(spec.preemptible and spec.elasticity != "fixed") or not running,
         realloc_delay=delay,
     )

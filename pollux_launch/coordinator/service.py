@@ -105,6 +105,9 @@ class Coordinator:
         self.node_grace = node_grace
         self._known: dict[str, NodeInfo] = {}  # every node seen, as last seen
         self._modelled: set[str] = set()  # jobs whose hints carried a goodput model
+        # each job's last replica request seen (its adaptation policies'): a new one
+        # starts a round
+        self._wanted: dict[str, tuple[int | None, int | None]] = {}
         self._missing: dict[str, float] = {}  # node -> since when it is missing
         self._store_lost = False  # a store call failed since the last good read
         self._deposed = False  # a guarded write found another leader's value
@@ -350,8 +353,9 @@ class Coordinator:
 
     def _triggers_round(self, event: Event) -> bool:
         """Jobs submitted or finished, a job's first hints with a goodput model (until
-        then its speedup is a guess), nodes that join, leave or change size, or free a
-        slot (a leaving worker exited); not a node's workers merely starting."""
+        then its speedup is a guess), a new replica request of a job's policies, nodes
+        that join, leave or change size, or free a slot (a leaving worker exited); not a
+        node's workers merely starting."""
         if event.key.startswith(keys.NODES):
             if event.kind == "delete":
                 return True
@@ -366,16 +370,22 @@ class Coordinator:
         if split is None:
             return False
         job, part = split
-        if part == "hints" and event.kind == "put" and job not in self._modelled:
+        if part == "hints" and event.kind == "put":
             try:
                 hints = decode(JobHints, event.value)
             except MessageError:
                 return False  # logged when the round reads it
-            if hints.perf_params is not None and hints.grad_sqr is not None:
+            wanted = (hints.min_replicas_wanted, hints.max_replicas_wanted)
+            if self._wanted.get(job, (None, None)) != wanted:  # a policy's new request
+                self._wanted[job] = wanted
+                return True
+            if (job not in self._modelled and hints.perf_params is not None
+                    and hints.grad_sqr is not None):
                 self._modelled.add(job)
                 return True
         if part == "spec" and event.kind == "delete":
             self._modelled.discard(job)
+            self._wanted.pop(job, None)
         return part in ("spec", "status")
 
 

@@ -22,12 +22,19 @@ step: it counts the step and its statistical progress (Pollux Sec. 3.1), then
 4. every ``decide_every`` steps, or when the group's size changed underneath (a Horovod
    reset that only removed workers): a decision.
 
-A decision: rank 0 refits the throughput model when due, picks the per-GPU batch m and
-accumulation steps s for the allocation (Pollux Eqn 13), the LR factor of the total batch
-``K m (s+1)`` (AdaScale, or the configured rule), the vote interval and whether a
-checkpoint is due, and reports the job's hints when due (after the first step of a new
-round, never inside its pause). One broadcast of a :class:`Decision`; every rank applies
-it, and every rank uses rank 0's LR factor until the next decision.
+Adaptation policies (:mod:`.adaptation`, KungFu's APs; by default only Pollux's
+``GoodputPolicy``) run on every rank: ``after_step`` at every boundary before 3-4,
+``on_rescale`` for every new group (and on a leaving worker), ``before_epoch`` /
+``after_epoch`` around the epochs of ``epochs()``, each followed by a decision.
+
+A decision: rank 0 takes its policies' pending proposals - the goodput policy's per-GPU
+batch m and accumulation steps s for the allocation (Pollux Eqn 13), a user policy's
+batch, LR factor, replica request or stop - and adds the LR factor of the total batch
+``K m (s+1)`` (AdaScale, or the configured rule) unless a policy fixed it, the vote
+interval and whether a checkpoint is due, and reports the job's hints when due (after
+the first step of a new round, never inside its pause; at once when the replica request
+changed). One broadcast of a :class:`Decision`; every rank applies it, and every rank
+uses rank 0's LR factor until the next decision.
 
 A collective that fails because a peer died (:func:`~.failures.is_peer_failure`) makes
 the survivors form a failure round and take rank 0's state (``recover``); the step in
@@ -43,7 +50,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,6 +60,7 @@ from pollux_launch import env as envvars
 from pollux_launch.tuning.gns import GradNoise
 from pollux_launch.tuning.tuner import GoodputTuner
 
+from .adaptation import AdaptationPolicy, GoodputPolicy, PolicyContext, fit_total, resolve_batch
 from .checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint
 from .failures import first_line, is_peer_failure
 
@@ -71,24 +79,37 @@ class LeaveJob(SystemExit):
 
 @dataclass(frozen=True)
 class Decision:
-    """What rank 0 decided, applied by every rank at the same step boundary."""
+    """What rank 0 decided, applied by every rank at the same step boundary.
+
+    ``replicas``: the policies' replica request ``(lo, hi)`` (``hi`` 0: no upper bound),
+    None for none; ``lr_fixed``: a policy set ``lr_factor`` (it stays until one resets it).
+    """
 
     local_bsz: int
     accum_steps: int
     check_every: int
     lr_factor: float
     checkpoint: bool = False
+    stop: bool = False
+    replicas: tuple[int, int] | None = None
+    lr_fixed: bool = False
+
+    SIZE = 9
 
     def to_tensor(self) -> torch.Tensor:
+        lo, hi = self.replicas or (0, 0)
         return torch.tensor([self.local_bsz, self.accum_steps, self.check_every,
-                             self.lr_factor, float(self.checkpoint)], dtype=torch.float64)
+                             self.lr_factor, float(self.checkpoint), float(self.stop), lo, hi,
+                             float(self.lr_fixed)], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> Decision:
-        m, s, check, factor, ckpt = (float(v) for v in t.cpu().tolist())
-        if not (m >= 1 and s >= 0 and check >= 1 and math.isfinite(factor) and factor > 0):
+        m, s, check, factor, ckpt, stop, lo, hi, fixed = (float(v) for v in t.cpu().tolist())
+        if not (m >= 1 and s >= 0 and check >= 1 and math.isfinite(factor) and factor > 0
+                and lo >= 0 and hi >= 0 and (hi == 0 or hi >= lo)):
             raise ValueError(f"malformed decision from rank 0: {t.tolist()}")
-        return cls(int(m), int(s), int(check), factor, ckpt > 0)
+        return cls(int(m), int(s), int(check), factor, ckpt > 0, stop > 0,
+                   (int(lo), int(hi)) if lo > 0 else None, fixed > 0)
 
 
 class Collectives(Protocol):
@@ -105,6 +126,16 @@ class Collectives(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Rank 0's ``tensor`` (CPU) on every rank (returned; may be ``tensor`` itself)."""
+        ...
+
+    def allreduce(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        """``op`` ("sum", "mean", "max", "min") of a small CPU float64 tensor over every
+        rank (returned, on the CPU)."""
+        ...
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Every rank's 1-D CPU float64 ``tensor`` (same length everywhere), one row per
+        rank in rank order."""
         ...
 
 
@@ -239,13 +270,16 @@ class ElasticController:
     """Drives one job's step boundaries (module docstring).
 
     ``loader``: a pollux ``AdaptiveDataLoader`` (its position travels with the state and
-    its batch follows decisions), or None; ``adapt_lr``: False keeps the LR factor at 1.
+    its batch follows decisions), or None; ``adapt_lr``: False keeps the LR factor at 1
+    (unless a policy sets one); ``policies``: the adaptation policies in order (None:
+    ``[GoodputPolicy()]``, Pollux's agent).
     """
 
     def __init__(self, hooks: FrameworkHooks, tuner: GoodputTuner, group: Collectives, *,
                  membership: Membership | None = None, reporter: HintsReporter | None = None,
                  loader: Any = None, decide_every: int = 20, adapt_lr: bool = True,
-                 checkpoints: CheckpointWriter | None = None) -> None:
+                 checkpoints: CheckpointWriter | None = None,
+                 policies: Sequence[AdaptationPolicy] | None = None) -> None:
         if decide_every < 1:
             raise ValueError(f"decide_every must be >= 1, got {decide_every}")
         self.hooks, self.tuner, self.group = hooks, tuner, group
@@ -263,6 +297,15 @@ class ElasticController:
         self._report_pending = False
         self._open_rescale: dict[str, Any] | None = None
         self._terminating = False
+        self.policies = list(policies) if policies is not None else [GoodputPolicy()]
+        self.ctx = PolicyContext(self)
+        self.replica_request: tuple[int, int] | None = None  # the policies' (travels)
+        self.stopped = False  # a policy stopped training (every rank, same step)
+        self.epoch = 0  # the data epoch the policies see
+        self.step_time: float | None = None  # this worker's last step (wall, seconds)
+        self.throughput: float | None = None  # samples/s of the job, smoothed
+        self._lr_fixed = False
+        self._t_boundary: float | None = None
         if checkpoints is not None:
             self._catch_sigterm()
 
@@ -279,7 +322,12 @@ class ElasticController:
     def state_dict(self) -> dict[str, Any]:
         return {"v": STATE_VERSION, "tuner": self.tuner.state_dict(), "steps": self.steps,
                 "resets": self.resets, "lr_factor": self.lr_factor,
-                "loader": self.loader.state_dict() if self.loader is not None else None}
+                "loader": self.loader.state_dict() if self.loader is not None else None,
+                "replicas": list(self.replica_request) if self.replica_request else None,
+                "lr_fixed": self._lr_fixed, "policies": self._policy_states()}
+
+    def _policy_states(self) -> dict[str, Any]:
+        return {f"{i}:{p.label}": p.state_dict() for i, p in enumerate(self.policies)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("v") != STATE_VERSION:
@@ -289,6 +337,13 @@ class ElasticController:
         self.lr_factor = float(state["lr_factor"])
         if self.loader is not None and state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
+        wanted = state.get("replicas")
+        self.replica_request = (int(wanted[0]), int(wanted[1])) if wanted else None
+        self._lr_fixed = bool(state.get("lr_fixed", False))
+        saved = state.get("policies") or {}
+        for i, p in enumerate(self.policies):  # (a policy the state lacks keeps its own)
+            if isinstance(saved.get(f"{i}:{p.label}"), dict):
+                p.load_state_dict(saved[f"{i}:{p.label}"])
 
     # -- the user's view ----------------------------------------------------------------
     def epochs(self, total: float) -> Iterator[int]:
@@ -297,8 +352,36 @@ class ElasticController:
         if self.loader is None:
             raise ValueError("epochs() follows a pollux AdaptiveDataLoader; none was given")
         self.loader.statistical_epochs = True
-        while self.tuner.progress.epochs() < total:
-            yield self.loader.epoch
+        # a worker that starts inside an epoch (a newcomer; a resume from a checkpoint)
+        # joins peers that ran its before_epoch already: it runs no hooks, no collective
+        started = self.loader.sampler.position > 0
+        while not self.stopped and self.tuner.progress.epochs() < total:
+            epoch = self.loader.epoch
+            if not started:
+                self.before_epoch(epoch)
+            started = False
+            yield epoch
+            self.after_epoch(epoch)
+
+    def before_epoch(self, epoch: int) -> None:
+        """Every rank, before data epoch ``epoch``: the policies' ``before_epoch``, then a
+        decision (their proposals apply at once)."""
+        self.epoch = epoch
+        self._epoch_hooks("before_epoch")
+
+    def after_epoch(self, epoch: int) -> None:
+        """Every rank, after data epoch ``epoch``: the policies' ``after_epoch``, then a
+        decision (their proposals apply at once)."""
+        self.epoch = epoch
+        self._epoch_hooks("after_epoch")
+
+    def _epoch_hooks(self, hook: str) -> None:
+        try:
+            self._run_policies(hook)
+            self.decide(force=False)
+        except RuntimeError as exc:  # a peer died: the job re-formed; the decision was in it
+            if not self.recover(exc, in_flight=False):
+                raise
 
     # -- start and new groups -------------------------------------------------------------
     def start(self, fresh: bool, sync: bool) -> None:
@@ -317,7 +400,14 @@ class ElasticController:
         if self.loader is not None:
             self.loader.set_replicas(self.group.rank, self.group.world_size)
         self.resets += 1  # (the first is the start)
+        self._t_boundary, self.throughput = None, None  # the pause is not a step
+        self.ctx.previous_world_size = self._decided_size
+        self._run_policies("on_rescale")
         self.decide(force=True)
+
+    def _run_policies(self, hook: str) -> None:
+        for policy in self.policies:
+            getattr(policy, hook)(self.ctx)
 
     def _rebuild(self, captured: Any, from_rank0: bool) -> None:
         received = self.hooks.rebuild(captured, self.state_dict(), from_rank0)
@@ -347,7 +437,10 @@ class ElasticController:
         """The step boundary proper (module docstring, 1-4): every rank, same step."""
         if self._terminating:
             self._terminate()
+        self._time_step()
         try:
+            self.ctx.decision_due = self.steps % self.decide_every == 0
+            self._run_policies("after_step")
             if (self.elastic and self.steps % self.check_every == 0
                     and self.membership.rescale_due()):  # type: ignore[union-attr]
                 self.rescale()
@@ -359,6 +452,16 @@ class ElasticController:
             # the step before this boundary completed everywhere: nothing is in flight
             if not self.recover(exc, in_flight=False):
                 raise
+
+    def _time_step(self) -> None:
+        now = time.perf_counter()
+        if self._t_boundary is not None and now > self._t_boundary:
+            self.step_time = now - self._t_boundary
+            m, s = self.hooks.batch()
+            rate = self.group.world_size * m * (s + 1) / self.step_time
+            self.throughput = rate if self.throughput is None else (
+                0.8 * self.throughput + 0.2 * rate)
+        self._t_boundary = now
 
     def rescale(self) -> None:
         """Re-form the group at this step boundary (every rank of the old group)."""
@@ -410,6 +513,8 @@ class ElasticController:
             return self.membership.next_round()
         except WorkerRemoved:
             log.info("not in the new round: leaving the job")
+            self.ctx.previous_world_size, self.ctx.detached = self.group.world_size, True
+            self._run_policies("on_rescale")
             self.hooks.leave()
             self.membership.close()
             raise LeaveJob() from None
@@ -420,40 +525,74 @@ class ElasticController:
 
     # -- decisions ------------------------------------------------------------------------
     def decide(self, force: bool) -> Decision:
-        """Rank 0 decides and reports; every rank applies the broadcast decision."""
+        """Rank 0 decides from its policies' proposals and reports; every rank applies
+        the broadcast decision (module docstring)."""
         g = self.group
         self._grad = self.hooks.grad_stats()
         m, s = self.hooks.batch()
-        t = torch.zeros(5, dtype=torch.float64)
+        actions = self.ctx.take()  # (another rank's proposals are not used: rank 0 decides)
+        t = torch.zeros(Decision.SIZE, dtype=torch.float64)
         if g.rank == 0:
-            current = None if force else (m, s)
-            m2, s2 = self.tuner.choose(g.num_nodes, g.world_size, current, refit=not force)
-            factor = (self.tuner.lr_factor(g.world_size * m2 * (s2 + 1)) if self.adapt_lr
-                      else 1.0)
-            due = (not force and self.checkpoints is not None and self.checkpoints.due())
-            t = Decision(m2, s2, self._check_interval(), factor, due).to_tensor()
-            if force:  # a new group: report after its first step, not inside the pause
-                self._report_pending = True
+            cfg = self.tuner.config
+            batch = resolve_batch(actions, g.world_size, (m, s), cfg)
+            if batch is None and force:  # a new group and no proposal: keep the total batch
+                batch = (fit_total(self._decided_total, g.world_size, cfg)
+                         if self._decided_size else self.tuner.default_batch(g.world_size))
+            m2, s2 = batch or (m, s)
+            fixed = self._lr_fixed if actions.lr_factor is None else actions.lr_factor > 0
+            if actions.lr_factor:
+                factor = actions.lr_factor
+            elif fixed:
+                factor = self.lr_factor
             else:
-                self._report(force=False, batch=(m2, s2))
+                factor = (self.tuner.lr_factor(g.world_size * m2 * (s2 + 1)) if self.adapt_lr
+                          else 1.0)
+            wanted = actions.replicas if actions.replicas is not None else self.replica_request
+            if wanted == (1, 0):
+                wanted = None  # request_range(1): no request
+            due = (not force and self.checkpoints is not None and self.checkpoints.due())
+            t = Decision(m2, s2, self._check_interval(), factor, due, actions.stop, wanted,
+                         fixed).to_tensor()
         if g.world_size > 1:
             t = g.broadcast(t, "pollux.decision")
         d = Decision.from_tensor(t)
+        changed_request = d.replicas != self.replica_request
         self._apply(d, force, (m, s))
+        if g.rank == 0:
+            if force:  # a new group: report after its first step, not inside the pause
+                self._report_pending = True
+            else:
+                self._report(force=changed_request, batch=(d.local_bsz, d.accum_steps))
         if d.checkpoint:
             self._checkpoint(collective=True)
         return d
 
+    @property
+    def _decided_total(self) -> int:
+        m, s = self.hooks.batch()
+        return self._decided_size * m * (s + 1)
+
     def _apply(self, d: Decision, force: bool, current: tuple[int, int]) -> None:
         self.check_every = min(self.decide_every, d.check_every)
         self._decided_size = self.group.world_size
-        self.lr_factor = d.lr_factor
+        self.lr_factor, self._lr_fixed = d.lr_factor, d.lr_fixed
         self.hooks.set_lr_factor(d.lr_factor)
         batch = (d.local_bsz, d.accum_steps)
         if force or batch != current:
             self.hooks.apply_batch(*batch)
+            self.throughput = None  # a new configuration: its own rate
         if self.loader is not None and (self.loader.local_bsz, self.loader.accum_steps) != batch:
             self.loader.set_batch_size(*batch)
+        if d.replicas != self.replica_request:
+            log.info("adaptation policy: asking the coordinator for %s replicas",
+                     "any" if d.replicas is None else
+                     f"{d.replicas[0]}-{d.replicas[1] or 'max'}")
+        self.replica_request = d.replicas
+        if d.stop and not self.stopped:
+            log.info("adaptation policy: training stops at step %d", self.steps)
+            self.stopped = True
+            if self.loader is not None:
+                self.loader.stop()
 
     def _check_interval(self) -> int:
         times = self.tuner.profile.arrays()["step_time"]
@@ -470,7 +609,7 @@ class ElasticController:
         m, s = batch or self.hooks.batch()
         self.reporter.report(self.tuner, lambda: self.tuner.hints(
             g.num_nodes, g.world_size, m, s, restarts=max(0, self.resets - 1),
-            rescale_s=recent_pause(self.rescales)))
+            rescale_s=recent_pause(self.rescales), replicas_wanted=self.replica_request))
 
     # -- durable state --------------------------------------------------------------------
     def save_checkpoint(self, wait: bool = True) -> None:

@@ -19,6 +19,7 @@ import argparse
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=_unsupported_dest(flag), nargs="?", const="",
                        help=argparse.SUPPRESS)
     add_store_arguments(p)
+    x.add_argument("--policy-module", action="append", default=None, metavar="MODULE:CLASS",
+                   help="an adaptation policy for the job's workers (repeatable, in order; "
+                   "'pollux' is Pollux's goodput policy, the default, which any given list "
+                   "replaces): pollux_launch.elastic.AdaptationPolicy")
     x.add_argument("--checkpoint-dir", help="folder for the job's durable checkpoints (a path "
                    "every node can reach): a job whose workers all died resumes from the "
                    "newest one")
@@ -434,6 +439,7 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         raise OptionsError("--max-restarts: this job re-forms live (its survivors go on when a "
                            "worker fails); restarts apply to restart-elastic and fixed jobs")
     checkpoint_env = _checkpoint_env(ns, cwd)
+    policy_env = _policy_env(ns, command, cwd)
     if ns.output_filename:
         _writable_folder("--output-filename", ns.output_filename, cwd)
     return LaunchOptions(
@@ -447,7 +453,8 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         fairness=ns.fairness, interval=ns.interval, realloc_delay=ns.realloc_delay,
         policy=ns.policy, framework=framework,
         horovod_env=horovod_env, store_options=store_options(ns),
-        worker_env={**worker_store_env(ns), **checkpoint_env}, secret_file=ns.secret_file,
+        worker_env={**worker_store_env(ns), **checkpoint_env, **policy_env},
+        secret_file=ns.secret_file,
         elasticity=elasticity, elasticity_reason=why, max_restarts=max_restarts,
         stop_grace=ns.restart_grace, reports_goodput=uses_pollux_api(command, cwd),
     )
@@ -465,6 +472,49 @@ def _checkpoint_env(ns: argparse.Namespace, cwd: Path) -> dict[str, str]:
     if ns.checkpoint_interval is not None:
         env[envvars.CHECKPOINT_INTERVAL] = repr(float(ns.checkpoint_interval))
     return env
+
+
+def _policy_env(ns: argparse.Namespace, command: tuple[str, ...], cwd: Path
+                ) -> dict[str, str]:
+    """The workers' policy list: each entry checked for form (an import path, never code)
+    and found without importing it (the workers import it)."""
+    if not ns.policy_module:
+        return {}
+    from ..elastic.adaptation import BUILTIN, PolicyError, check_spec
+
+    if not uses_pollux_api(command, cwd):
+        raise OptionsError("--policy-module: policies run inside the pollux API (ElasticTrainer, "
+                           "pollux's Horovod DistributedOptimizer or DeepSpeed initialize), "
+                           "which this script does not use")
+    specs = []
+    for given in ns.policy_module:
+        for entry in given.split(","):
+            try:
+                spec = check_spec(entry)
+            except PolicyError as exc:
+                raise OptionsError(str(exc)) from None
+            if spec not in BUILTIN and not _module_found(spec.partition(":")[0], cwd):
+                raise OptionsError(f"--policy-module {spec}: no module "
+                                   f"{spec.partition(':')[0]!r} on the Python path or in "
+                                   f"{cwd}; check the name, or run from its folder")
+            specs.append(spec)
+    return {envvars.POLICIES: ",".join(specs)}
+
+
+def _module_found(module: str, cwd: Path) -> bool:
+    """Whether ``module`` exists, found as ``import`` would (the Python path, then
+    ``cwd``) without running any of it."""
+    from importlib.machinery import PathFinder
+
+    path: list[str] | None = [*sys.path, str(cwd)]
+    spec = None
+    for part in module.split("."):
+        name = part if spec is None else f"{spec.name}.{part}"
+        spec = PathFinder.find_spec(name, path)
+        if spec is None:
+            return False
+        path = list(spec.submodule_search_locations or [])
+    return True
 
 
 def _default_job_name(command: tuple[str, ...]) -> str:

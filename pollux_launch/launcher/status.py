@@ -141,11 +141,21 @@ def render(store: Store, now: float | None = None) -> str:
     out.append(_table(
         ["JOB", "STATE", "KIND", "GPUS PER NODE", "BATCH", "EFF", "GOODPUT", "SPEEDUP", "REALLOCS",
          "RESTARTS (LOST)", "AGE"], rows or [["(no jobs)"] + [""] * 10]))
+    wants = [f"{name} wants {_wanted(h)} replicas" for name, view in sorted(jobs.items())
+             if (h := view.get("hints")) is not None and h.min_replicas_wanted is not None
+             and not ((st := view.get("status")) is not None and st.finished)]
+    if wants:
+        out.append("adaptation policies' requests: " + "; ".join(wants))
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         out.append(f"ignored {len(bad)} malformed store value(s): "
                    f"{', '.join(k[:100] for k in bad[:5])}{more}")
     return "\n\n".join(out)
+
+
+def _wanted(hints: JobHints) -> str:
+    lo, hi = hints.min_replicas_wanted, hints.max_replicas_wanted
+    return str(lo) if lo == hi else f"{lo}-{hi}" if hi else f"{lo} or more"
 
 
 def _restarts(restarts: JobRestarts | None, generation: JobGeneration | None,

@@ -64,6 +64,9 @@ class StepProfile:
         self._totals: dict[ProfileKey, _Totals] = {}
         self._key: ProfileKey | None = None
         self._since_change = 0
+        # the newest step's (step_time, sync_time), warm-up included: what adaptation
+        # policies read (pollux_launch.elastic.adaptation)
+        self.last: tuple[float, float | None] | None = None
 
     @property
     def key(self) -> ProfileKey | None:
@@ -79,6 +82,7 @@ class StepProfile:
         """One step's time (seconds); returns whether it was kept (not warm-up/invalid)."""
         if self._key is None:
             raise RuntimeError("StepProfile.record before set_key: say which configuration ran")
+        self.last = (step_time, sync_time)
         self._since_change += 1
         if self._since_change <= self.warmup_steps:
             return False

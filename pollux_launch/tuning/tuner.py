@@ -196,6 +196,7 @@ class GoodputTuner:
     def hints(
         self, num_nodes: int, num_replicas: int, local_bsz: int, accum_steps: int,
         restarts: int = 0, rescale_s: float | None = None,
+        replicas_wanted: tuple[int, int] | None = None,
     ) -> JobHints:
         cfg = self.config
         perf, grad = self.perf_params(), self._grad_stats()
@@ -219,6 +220,8 @@ class GoodputTuner:
             restarts=restarts,
             timestamp=time.time(),
             rescale_s=rescale_s,
+            min_replicas_wanted=replicas_wanted[0] if replicas_wanted else None,
+            max_replicas_wanted=(replicas_wanted[1] or None) if replicas_wanted else None,
         )
 
     def report_due(self) -> bool:

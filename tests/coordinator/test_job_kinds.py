@@ -91,3 +91,24 @@ def test_live_job_delta_is_its_measured_pause_else_the_calibrated_one():
     assert measured.realloc_delay == 2.1
     assert job_info(spec("l", "live", 1, 4), hints, alloc, 1100.0, cost=cost,
                     live_delay=5.0).realloc_delay == 5.0
+
+
+def test_a_policys_replica_request_is_the_jobs_range_within_its_limits():
+    """An adaptation policy's request narrows (or lifts past the exploration cap) the
+    replica range the policy sees, never beyond the spec's --min-np/--max-np; the DP
+    then allocates inside it."""
+    base = dict(init_batch_size=32, max_batch_size=256, local_bsz_bounds=(8, 64))
+    s = spec("w", "live", 1, 6)
+    alloc = Allocation(version=1, nodes=("a",))
+    plain = job_info(s, JobHints(**base), alloc, 1100.0)
+    assert (plain.min_replicas, plain.max_replicas) == (1, 6)
+    for wanted, expect in [((3, 3), (3, 3)), ((2, None), (2, 6)), ((1, 2), (1, 2)),
+                           ((9, 9), (6, 6))]:
+        hints = JobHints(**base, min_replicas_wanted=wanted[0], max_replicas_wanted=wanted[1])
+        info = job_info(s, hints, alloc, 1100.0)
+        assert (info.min_replicas, info.max_replicas) == expect, wanted
+    hints = JobHints(**base, min_replicas_wanted=3, max_replicas_wanted=3)
+    policy = make_policy("pollux-dp")
+    got = policy.optimize([job_info(s, hints, alloc, 1100.0)], [PolicyNode("a", 4)],
+                          np.array([[1]]))
+    assert got.sum() == 3  # grown from 1 to the 3 asked for (its prior alone keeps 1)

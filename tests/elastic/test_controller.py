@@ -51,6 +51,17 @@ class _Group:
             dist.broadcast(tensor, 0)
         return tensor
 
+    def allreduce(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}
+        dist.all_reduce(tensor, op=ops[op])
+        return tensor / self.world_size if op == "mean" else tensor
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        rows = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(rows, tensor)
+        return torch.stack(rows)
+
 
 class _Hooks:
     def __init__(self, profile: StepProfile) -> None:
@@ -110,10 +121,12 @@ def _controller(checkpoints=None, group=None, rule: str = "adascale", min_gain: 
 
 
 def test_decision_round_trips_and_a_malformed_one_is_refused():
-    d = Decision(16, 2, 7, 1.75, True)
+    d = Decision(16, 2, 7, 1.75, True, True, (2, 0), True)
     assert Decision.from_tensor(d.to_tensor()) == d
     for bad in ([0, 0, 1, 1.0, 0], [8, -1, 1, 1.0, 0], [8, 0, 0, 1.0, 0],
-                [8, 0, 1, float("nan"), 0], [8, 0, 1, 0.0, 0]):
+                [8, 0, 1, float("nan"), 0], [8, 0, 1, 0.0, 0], [8, 0, 1, 1.0, 0, 0, 3, 2, 0],
+                [8, 0, 1, 1.0, 0, 0, -1, 0, 0]):
+        bad = bad + [0] * (Decision.SIZE - len(bad))
         with pytest.raises(ValueError, match="malformed decision"):
             Decision.from_tensor(torch.tensor(bad, dtype=torch.float64))
 
@@ -218,18 +231,25 @@ def _worker(rank: int, port: int, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def test_every_rank_applies_rank_0s_decision_and_a_dead_peer_is_a_peer_failure():
+def spawn_ranks(target: Any, messages: int, world: int = 2) -> tuple[list, list]:
+    """Run ``target(rank, port, queue)`` in ``world`` spawned processes (a gloo group on
+    ``port``); returns the first ``messages`` items they queue and the joined processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(world)]
     for p in procs:
         p.start()
-    got = [out.get(timeout=120) for _ in range(4)]
+    got = [out.get(timeout=120) for _ in range(messages)]
     for p in procs:
         p.join(timeout=60)
+    return got, procs
+
+
+def test_every_rank_applies_rank_0s_decision_and_a_dead_peer_is_a_peer_failure():
+    got, _ = spawn_ranks(_worker, 4)
     decisions = {g[0]: g[1:] for g in got if isinstance(g[0], int)}
     assert decisions[0] == decisions[1]  # batches, LR factor and vote interval alike
     assert decisions[0][0][-1][0] > 8 and decisions[0][1] > 1.0  # rank 0's noisy view won

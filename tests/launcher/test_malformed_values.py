@@ -47,3 +47,17 @@ def test_status_names_the_values_it_could_not_read(store):
 def test_replica_limit():
     assert replica_limit(JobSpec("j", ("python",))) is None  # no --max-np
     assert replica_limit(JobSpec("j", ("python",), initial_replicas=2, max_replicas=4)) == 4
+
+
+def test_status_shows_what_a_jobs_policies_ask_for(store):
+    from pollux_launch.messages import JobHints
+
+    store.put(keys.job("j", "spec"), encode(JobSpec("j", ("python",))))
+    hints = dict(init_batch_size=8, max_batch_size=8, local_bsz_bounds=(8, 8))
+    store.put(keys.job("j", "hints"), encode(JobHints(**hints, min_replicas_wanted=2)))
+    assert "j wants 2 or more replicas" in render(store, now=0.0)
+    store.put(keys.job("j", "hints"), encode(JobHints(**hints, min_replicas_wanted=2,
+                                                      max_replicas_wanted=2)))
+    assert "j wants 2 replicas" in render(store, now=0.0)
+    store.put(keys.job("j", "hints"), encode(JobHints(**hints)))
+    assert "wants" not in render(store, now=0.0)

@@ -98,6 +98,25 @@ def test_checkpoint_flags_become_the_workers_environment(tmp_path):
             parse_launch_args(argv, cwd=tmp_path)
 
 
+def test_policy_modules_become_the_workers_environment_after_a_check(tmp_path):
+    (tmp_path / "train.py").write_text("import pollux_launch.adapters.torch\n")
+    (tmp_path / "mypols").mkdir()
+    (tmp_path / "mypols" / "caps.py").write_text("raise SystemExit('never run here')\n")
+    o = parse_launch_args(["--policy-module", "pollux", "--policy-module", "mypols.caps:Cap",
+                           "python", "train.py"], cwd=tmp_path)
+    assert o.worker_env["POLLUX_POLICIES"] == "pollux,mypols.caps:Cap"
+    (tmp_path / "plain.py").write_text("print('no pollux here')\n")
+    for argv, needle in [
+        (["--policy-module", "os.system('rm')", "python", "train.py"], "give module:Class"),
+        (["--policy-module", "mypols.nothere:P", "python", "train.py"], "no module"),
+        (["--policy-module", "nosuchpkg_x:P", "python", "train.py"], "no module"),
+        (["--policy-module", "mypols.caps:Cap", "python", "plain.py"], "does not use"),
+    ]:
+        with pytest.raises(OptionsError, match=needle) as info:
+            parse_launch_args(argv, cwd=tmp_path)
+        assert "\n" not in str(info.value)
+
+
 # -- torchrun's form and the kinds of elasticity ---------------------------------------
 def test_torchrun_form_means_what_torchrun_means(tmp_path):
     import sys
