@@ -1,6 +1,7 @@
 """Time one PolluxSched round on an N-GPU cluster, for every policy engine.
 
     python benchmarks/policy_scale.py --gpus 64 [--repeats 20] [--ga-gens 100] [--ga-pop 100]
+                                      [--saxena-scale 64,1024]
 
 The cluster has 4 GPUs per node and about one active job per 2.5 GPUs (the Pollux
 workloads at their busiest). Jobs are drawn from the six trace models; each job's
@@ -8,14 +9,21 @@ speedup function is the goodput core's ``SpeedupFunction`` (throughput model fit
 model's placements.csv, gradient statistics from its validation CSVs at the job's epoch),
 built fresh for every timed solve so its memo starts cold as after a refit;
 ``--speedup trace-table`` (or a missing goodput core) uses a table of the traces'
-ground-truth goodput instead. The round's ``current`` allocation is a previous round's
-answer with 10 % of the jobs finished and as many new arrivals, so both re-allocation
-penalties and new jobs matter. Every engine solves the same round; fitness is FITNESS_p
-(Eqn 14) of its answer.
+ground-truth goodput instead. Each job's ``throughput_fn`` (what ``saxena-dp``
+maximises) is likewise the goodput core's ``ThroughputFunction`` (samples/s at the best
+batch in [M0, max batch], no statistical efficiency), or the traces' raw samples/s. The
+round's ``current`` allocation is a previous round's answer with 10 % of the jobs
+finished and as many new arrivals, so both re-allocation penalties and new jobs matter.
+Every engine solves the same round; fitness is FITNESS_p (Eqn 14) of its answer and
+total_throughput the sum of the jobs' samples/s in it (the objective of saxena-dp,
+Saxena et al. MASCOTS 2020). ``saxena-dp`` is also timed alone on the rounds of
+``--saxena-scale`` cluster sizes (default 64 and 1024 GPUs).
 
 Prints a table and, as the LAST line, one JSON object:
-{"gpus", "jobs", "policies": {name: {"solve_ms_median", "solve_ms_p95", "fitness", ...}},
- "default", "default_solve_ms_median", "default_solve_ms_p95", "default_fitness_ratio"}.
+{"gpus", "jobs", "policies": {name: {"solve_ms_median", "solve_ms_p95", "fitness",
+ "total_throughput", ...}}, "default", "default_solve_ms_median", "default_solve_ms_p95",
+ "default_fitness_ratio", "saxena_dp_scale": {"<gpus>": {"jobs", "solve_ms_median",
+ "solve_ms_p95", ...}}}.
 p95 is the 95th percentile of the timed solves (linear interpolation), so it means
 something only with many of them: 20 of the default engine by default; the GA's single
 timed solve (``--ga-repeats 1``) makes its p95 that one time.
@@ -68,8 +76,9 @@ def _placement(n: int, k: int) -> tuple[int, ...]:
 
 
 @functools.cache
-def trace_table(model: str, epoch: int) -> tuple[np.ndarray, int]:
-    """Ground-truth goodput table of one model at one epoch, normalised to 1 GPU."""
+def trace_table(model: str, epoch: int, efficiency: bool = True) -> tuple[np.ndarray, int]:
+    """Ground-truth goodput table of one model at one epoch, normalised to 1 GPU; with
+    ``efficiency=False`` its raw throughput (samples/s, not normalised) instead."""
     from pollux_launch.sim import traces
 
     tr = traces.load_model(model)
@@ -81,11 +90,12 @@ def trace_table(model: str, epoch: int) -> tuple[np.ndarray, int]:
         b = bsz[bsz * k <= tr.max_batch_size]
         if b.size == 0:
             continue
-        eff = tr.efficiency(b * k, epoch)
+        eff = tr.efficiency(b * k, epoch) if efficiency else 1.0
         for n in range(1, min(k, MAX_TABLE_NODES) + 1):
             step, _ = tr.step_times(_placement(n, k), b)
             table[n, k] = np.max(b * k / step * eff)
-    table /= table[1, 1]
+    if efficiency:
+        table /= table[1, 1]
     return table, kmax
 
 
@@ -127,6 +137,20 @@ def goodput_core_speedup(model: str, epoch: int):
     )
 
 
+def goodput_core_throughput(model: str):
+    """A fresh goodput-core ThroughputFunction for a model (its batch range: [M0, max])."""
+    from pollux_launch import goodput
+
+    tr, perf = _goodput_model(model)
+    return goodput.ThroughputFunction(
+        perf,
+        min_batch_size=tr.init_batch_size,
+        max_batch_size=tr.max_batch_size,
+        local_bsz_bounds=(tr.min_local_bsz, tr.max_local_bsz),
+        accumulation=True,
+    )
+
+
 @dataclass(frozen=True)
 class JobSpec:
     name: str
@@ -144,13 +168,16 @@ def make_jobs(specs: list[JobSpec], source: str) -> tuple[list[JobInfo], str]:
         table, kmax = trace_table(spec.model, spec.epoch) if fn is None else (None, 0)
         if fn is None:
             used, fn = "trace-table", TableSpeedup(table)
+            thr = TableSpeedup(trace_table(spec.model, spec.epoch, efficiency=False)[0])
         else:
             used = "goodput-core"
             tr, _ = _goodput_model(spec.model)
             kmax = min(tr.max_replicas, tr.max_batch_size // tr.min_local_bsz)
+            thr = goodput_core_throughput(spec.model)
         if spec.model == "ncf":  # ncf jobs ran on one GPU in the Pollux workloads
             kmax = 1
-        jobs.append(JobInfo(spec.name, fn, spec.age, spec.restarts, max_replicas=max(kmax, 1)))
+        jobs.append(JobInfo(spec.name, fn, spec.age, spec.restarts, max_replicas=max(kmax, 1),
+                            throughput_fn=thr))
     return jobs, used
 
 
@@ -184,6 +211,37 @@ def build_round(gpus: int, seed: int, source: str):
     return specs, nodes, current
 
 
+def total_throughput(jobs: list[JobInfo], alloc: np.ndarray) -> float:
+    """Sum of the jobs' samples/s (``throughput_fn``) in ``alloc``: saxena-dp's objective."""
+    nn, kk = np.count_nonzero(alloc, axis=1), alloc.sum(axis=1)
+    return float(sum(float(j.throughput_fn(nn[i], kk[i])) for i, j in enumerate(jobs)))
+
+
+def time_saxena(gpus: int, seed: int, source: str, repeats: int, p: float) -> dict:
+    """saxena-dp alone on the busy round of a ``gpus``-GPU cluster (fresh jobs per solve)."""
+    specs, nodes, current = build_round(gpus, seed, source)
+    times, cpu = [], []
+    for r in range(repeats):
+        pol = make_policy("saxena-dp", p=p, seed=seed + r)
+        jobs, _ = make_jobs(specs, source)
+        t0, c0 = time.perf_counter(), time.process_time()
+        alloc = pol.optimize(jobs, nodes, current)
+        times.append((time.perf_counter() - t0) * 1000)
+        cpu.append((time.process_time() - c0) * 1000)
+        check_allocation(alloc, nodes, jobs, current)
+    return {
+        "jobs": len(specs),
+        "solve_ms_median": round(statistics.median(times), 2),
+        "solve_ms_p95": p95(times),
+        "solve_cpu_ms_median": round(statistics.median(cpu), 2),
+        "solve_cpu_ms_p95": p95(cpu),
+        "jobs_with_gpus": int(np.count_nonzero(alloc.sum(axis=1))),
+        "gpus_allocated": int(alloc.sum()),
+        "total_throughput": round(total_throughput(jobs, alloc), 1),
+        "repeats": repeats,
+    }
+
+
 def p95(samples: list[float]) -> float:
     """95th percentile (linear interpolation between the closest ranks), rounded."""
     return round(float(np.percentile(samples, 95)), 2)
@@ -208,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p", type=float, default=-1.0, help="fairness exponent of Eqn 14")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--saxena-scale",
+        default="64,1024",
+        help="comma-separated cluster sizes (GPUs) on which saxena-dp is also timed alone "
+        "(--repeats solves each); empty: none",
+    )
+    ap.add_argument(
         "--speedup",
         choices=["auto", "trace-table"],
         default="auto",
@@ -216,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.gpus < SLOTS or args.gpus % SLOTS:
         ap.error(f"--gpus must be a positive multiple of {SLOTS}")
+    try:
+        scale_gpus = [int(x) for x in args.saxena_scale.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--saxena-scale must be comma-separated GPU counts, got {args.saxena_scale!r}")
+    if any(g < SLOTS or g % SLOTS for g in scale_gpus):
+        ap.error(f"--saxena-scale sizes must be positive multiples of {SLOTS}")
     specs, nodes, current = build_round(args.gpus, args.seed, args.speedup)
     jobs, source = make_jobs(specs, args.speedup)
     engines = {
@@ -225,12 +295,13 @@ def main(argv: list[str] | None = None) -> int:
             args.ga_repeats,
             args.ga_warmup,
         ),
+        "saxena-dp": ({}, args.repeats, 0),
     }
     results = {}
     total = sum(r * (1 + w) for _, r, w in engines.values())
     bar = tqdm(total=total, desc="solving", file=sys.stderr)
     for name, (opts, repeats, warmup) in engines.items():
-        times, cpu, fits = [], [], []
+        times, cpu, fits, thr = [], [], [], []
         for r in range(repeats):
             pol = make_policy(name, p=args.p, seed=args.seed + r, **opts)
             for _ in range(warmup):
@@ -243,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu.append((time.process_time() - c0) * 1000)
             check_allocation(alloc, nodes, jobs, current)
             fits.append(evaluate_fitness(jobs, nodes, alloc, current, args.p))
+            thr.append(total_throughput(jobs, alloc))
             bar.update()
         results[name] = {
             "solve_ms_median": round(statistics.median(times), 2),
@@ -251,18 +323,29 @@ def main(argv: list[str] | None = None) -> int:
             "solve_cpu_ms_median": round(statistics.median(cpu), 2),
             "solve_cpu_ms_p95": p95(cpu),
             "fitness": round(float(statistics.median(fits)), 6),
+            "total_throughput": round(float(statistics.median(thr)), 1),
             "gpus_allocated": int(alloc.sum()),
             "repeats": repeats,
             **({"pop_size": opts["pop_size"], "n_gen": opts["n_gen"]} if opts else {}),
             **({"warmup_rounds": warmup} if warmup else {}),
         }
     bar.close()
+    scale = {}
+    for gpus in tqdm(scale_gpus, desc="saxena-dp scale", file=sys.stderr):
+        scale[str(gpus)] = time_saxena(gpus, args.seed, args.speedup, args.repeats, args.p)
     ga_fit = results["pollux-ga"]["fitness"]
-    print(f"{'policy':<12}{'solve_ms':>12}{'p95_ms':>12}{'fitness':>12}{'gpus':>8}")
+    print(f"{'policy':<12}{'solve_ms':>12}{'p95_ms':>12}{'fitness':>12}{'gpus':>8}"
+          f"{'samples/s':>14}")
     for name, r in results.items():
         print(
             f"{name:<12}{r['solve_ms_median']:>12.1f}{r['solve_ms_p95']:>12.1f}"
-            f"{r['fitness']:>12.4f}{r['gpus_allocated']:>8}"
+            f"{r['fitness']:>12.4f}{r['gpus_allocated']:>8}{r['total_throughput']:>14.1f}"
+        )
+    for gpus, r in scale.items():
+        label = f"saxena@{gpus}"
+        print(
+            f"{label:<12}{r['solve_ms_median']:>12.1f}{r['solve_ms_p95']:>12.1f}"
+            f"{'':>12}{r['gpus_allocated']:>8}{r['total_throughput']:>14.1f}"
         )
     out = {
         "gpus": args.gpus,
@@ -275,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "default_fitness_ratio": round(results[DEFAULT_POLICY]["fitness"] / ga_fit, 4)
         if ga_fit > 0
         else math.inf,
+        "saxena_dp_scale": scale,
     }
     print(json.dumps(out))
     return 0

@@ -88,3 +88,28 @@ def name(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r} must be 1-128 characters from A-Z a-z 0-9 _ . @ : + -")
     return text
+
+
+def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--admission``, ``--max-wait``, ``--max-running``: the coordinator's and the
+    simulator's admission control (``pollux_launch.policy.admission``)."""
+    from .policy.admission import ADMISSION_MODES
+
+    parser.add_argument("--admission", default="none", choices=ADMISSION_MODES,
+                        help="none: every job competes from its arrival (Pollux); queue: "
+                        "admit in arrival order while every admitted job can run, the rest "
+                        "wait; drop: reject a job that cannot run when it arrives")
+    parser.add_argument("--max-wait", type=seconds_or_zero, default=None, metavar="S",
+                        help="--admission queue: reject a job not admitted within S seconds")
+    parser.add_argument("--max-running", type=count, default=None, metavar="N",
+                        help="--admission queue/drop: at most N admitted jobs at once")
+
+
+def admission_from_args(ns: argparse.Namespace):  # -> AdmissionConfig
+    """The admission configuration of parsed arguments; a bad combination is one line."""
+    from .policy.admission import AdmissionConfig
+
+    try:
+        return AdmissionConfig(ns.admission, ns.max_wait, ns.max_running)
+    except ValueError as exc:
+        raise OptionsError(str(exc)) from None

@@ -35,6 +35,10 @@ DEFAULT_CHECKPOINT_INTERVAL = 60.0
 # the job's adaptation policies, comma-separated built-in names or module:attribute
 # import paths (pollux-run --policy-module; pollux_launch.elastic.adaptation)
 POLICIES = "POLLUX_POLICIES"
+# the job's batch-size range (pollux-run --min-batch-size/--max-batch-size): narrows what
+# the script allows (pollux_launch.tuning.tuner.batch_range)
+MIN_BATCH_SIZE = "POLLUX_MIN_BATCH_SIZE"
+MAX_BATCH_SIZE = "POLLUX_MAX_BATCH_SIZE"
 DEEPSPEED_KEEP_STATE = "POLLUX_DEEPSPEED_KEEP_STATE"  # keep engine.restored_state (tests)
 # Horovod newcomers started warm (adapters/horovod/warm.py): "0" in the launcher's
 # environment turns it off; the zygote's command (JSON); the socket a hand-off reaches it

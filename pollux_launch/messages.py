@@ -99,6 +99,10 @@ class JobSpec:
     # its script uses the pollux API, so it will report a goodput model; False: it never
     # will (a torchrun-style or plain Horovod Elastic script) and takes what is free
     reports_goodput: bool = True
+    # the job's batch-size range (Saxena et al.; pollux-run --min/--max-batch-size): every
+    # policy and the job's agent keep its total batch within it (None: the script's)
+    min_batch_size: int | None = within(1, MAX_BATCH, None)
+    max_batch_size: int | None = within(1, MAX_BATCH, None)
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -111,6 +115,9 @@ class JobSpec:
                                f"{self.elasticity[:40]!r}")
         if self.elasticity == "fixed" and self.min_replicas != self.max_replicas:
             raise MessageError("JobSpec: a fixed job needs min_replicas == max_replicas")
+        if (self.min_batch_size is not None and self.max_batch_size is not None
+                and self.min_batch_size > self.max_batch_size):
+            raise MessageError("JobSpec: needs min_batch_size <= max_batch_size")
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,8 @@ class JobHints:
     init_batch_size: int = within(1, MAX_BATCH)
     max_batch_size: int = within(1, MAX_BATCH)
     local_bsz_bounds: tuple[int, int] = within(1, MAX_BATCH)
+    # the batch-size range's lower end, when the job has one (None: M0)
+    min_batch_size: int | None = within(1, MAX_BATCH, None)
     gradient_accumulation: bool = True
     adaptive_batch_size: bool = True
     perf_params: dict[str, float] | None = within(0.0, 1e6, None)
@@ -152,6 +161,8 @@ class JobHints:
         if not (lo <= hi and self.init_batch_size <= self.max_batch_size):
             raise MessageError("JobHints: needs local_bsz_bounds lo <= hi and "
                                "init_batch_size <= max_batch_size")
+        if self.min_batch_size is not None and self.min_batch_size > self.max_batch_size:
+            raise MessageError("JobHints: needs min_batch_size <= max_batch_size")
         if (self.min_replicas_wanted is not None and self.max_replicas_wanted is not None
                 and self.min_replicas_wanted > self.max_replicas_wanted):
             raise MessageError("JobHints: needs min_replicas_wanted <= max_replicas_wanted")
@@ -269,8 +280,12 @@ class JobGeneration:
         return self.startup_s + (self.stop_s or 0.0)
 
 
-JOB_STATES = ("pending", "running", "succeeded", "failed", "cancelled")
-FINISHED_STATES = ("succeeded", "failed", "cancelled")
+# "queued": waiting for admission (the coordinator's --admission queue); "rejected": not
+# admitted (--admission drop, or --max-wait passed), the job never ran
+JOB_STATES = ("pending", "queued", "running", "succeeded", "failed", "cancelled", "rejected")
+FINISHED_STATES = ("succeeded", "failed", "cancelled", "rejected")
+# a rejected job's exit code (its launcher's too): EX_TEMPFAIL, "try again later"
+REJECTED_EXIT = 75
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ Example (all keys; see README.md next to this file)::
         "gradient_accumulation": true,
         "report_interval": 30,
         "checkpoint_dir": "/shared/ckpt/my-job",
-        "checkpoint_interval": 120
+        "checkpoint_interval": 120,
+        "policies": ["pollux", "mypkg.policies:GNSBatch"]
     }
 
 This module is pure: no DeepSpeed import, no I/O except reading a JSON file named by
@@ -59,6 +60,8 @@ class PolluxConfig:
             to it (Pollux Eqn 4-6).
         max_batch_size: the largest total batch size pollux may choose (Pollux's ``M``
             upper limit in the (m, s) search, Eqn 13). Default: ``initial_batch_size`` (no growth).
+        min_batch_size: the smallest total batch size pollux may choose (the lower end of
+            the job's batch-size range). Default: none.
         micro_batch_size_range: ``(min, max)`` per-GPU micro batch ``m`` (memory limits:
             the largest that fits, the smallest that still runs efficiently). Default
             ``(1, initial_batch_size)``.
@@ -91,6 +94,7 @@ class PolluxConfig:
     checkpoint_dir: str | None = None
     checkpoint_interval: float | None = None
     policies: tuple[str, ...] | None = None
+    min_batch_size: int | None = None
 
     @property
     def min_micro_batch_size(self) -> int:
@@ -123,6 +127,7 @@ _FIELDS = {
     "enabled": bool,
     "initial_batch_size": int,
     "max_batch_size": int,
+    "min_batch_size": int,
     "micro_batch_size_range": list,
     "lr_scaling": str,
     "gradient_accumulation": bool,
@@ -204,6 +209,11 @@ def parse_pollux_config(config: str | Path | Mapping[str, Any] | None) -> Pollux
         raise PolluxConfigError(
             f"pollux.max_batch_size ({max_bsz}) must be >= initial_batch_size ({init})")
 
+    min_bsz = section.get("min_batch_size")
+    if min_bsz is not None and not 1 <= min_bsz <= max_bsz:
+        raise PolluxConfigError(
+            f"pollux.min_batch_size ({min_bsz}) must be in [1, max_batch_size ({max_bsz})]")
+
     rng = section.get("micro_batch_size_range", [1, init])
     if len(rng) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in rng):
         raise PolluxConfigError(
@@ -248,15 +258,19 @@ def parse_pollux_config(config: str | Path | Mapping[str, Any] | None) -> Pollux
     if policies is not None:
         from pollux_launch.elastic.adaptation import PolicyError, check_spec
 
+        for p in policies:
+            if not isinstance(p, str):
+                raise PolluxConfigError(
+                    "pollux.policies entries must be strings (module:Class or a built-in "
+                    f"name), got {json.dumps(p, default=str)[:80]}")
         try:
-            policies = tuple(check_spec(p) if isinstance(p, str) else check_spec(repr(p))
-                             for p in policies)
+            policies = tuple(check_spec(p) for p in policies)
         except PolicyError as exc:
             raise PolluxConfigError(f"pollux.policies: {str(exc).removeprefix('--policy-module ')}"
                                     ) from None
 
     cfg = PolluxConfig(enabled=enabled, initial_batch_size=init, max_batch_size=max_bsz,
-                       micro_batch_size_range=(lo, hi), lr_scaling=lr,
+                       micro_batch_size_range=(lo, hi), lr_scaling=lr, min_batch_size=min_bsz,
                        gradient_accumulation=accumulate, report_interval=float(report),
                        checkpoint_dir=ckpt_dir,
                        checkpoint_interval=None if ckpt_every is None else float(ckpt_every),

@@ -48,7 +48,7 @@ from pollux_launch.elastic.failures import first_line, is_peer_failure
 from pollux_launch.tuning.gns import GradNoise
 from pollux_launch.tuning.profile import ProfileKey, StepProfile
 from pollux_launch.tuning.progress import StatisticalProgress
-from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig
+from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, batch_range
 
 from .config import NO_LR_SCALING
 
@@ -79,12 +79,15 @@ class ElasticDeepSpeed:
 
         self.handle, self.job, self.loader = handle, job, loader
         cfg = handle.pollux
+        min_bsz, max_bsz = batch_range(cfg.initial_batch_size, cfg.max_batch_size,
+                                       cfg.min_batch_size)
         self.config = TunerConfig(
             init_batch_size=cfg.initial_batch_size,
-            max_batch_size=cfg.max_batch_size,
+            max_batch_size=max_bsz,
+            min_batch_size=min_bsz,
             local_bsz_bounds=cfg.micro_batch_size_range,
             gradient_accumulation=cfg.gradient_accumulation,
-            adaptive_batch_size=cfg.max_batch_size > cfg.initial_batch_size,
+            adaptive_batch_size=max_bsz > cfg.initial_batch_size,
             lr_scaling=cfg.lr_scaling,
             report_interval=cfg.report_interval,
             min_gain=min_gain,

@@ -160,6 +160,8 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
 
     from .elastic import ElasticDeepSpeed
 
+    if policies is None and pollux.policies is not None:
+        policies = section_policies(pollux)  # before joining: a bad entry fails fast
     data = kwargs.pop("training_data", None)
     kwargs["training_data"] = None
     recipe = _Recipe.record(kwargs, ds_config)
@@ -180,13 +182,21 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
     micro, steps = pollux.initial_micro_batch(_world_size())
     handle = PolluxEngine(recipe, pollux, micro, steps)
     handle.loader = loader
-    if policies is None and pollux.policies is not None:
-        from pollux_launch.elastic.adaptation import load_policies
-
-        policies = load_policies(",".join(pollux.policies))
     ElasticDeepSpeed(handle, job, loader, checkpoints=checkpoint_writer(
         pollux.checkpoint_dir, pollux.checkpoint_interval), policies=policies)
     return handle, handle.live("optimizer"), loader, handle.live("lr_scheduler")
+
+
+def section_policies(pollux: PolluxConfig) -> list[Any]:
+    """The adaptation policies the section's ``policies`` names, imported (on the worker:
+    its Python path, then its working directory). Raises :class:`PolluxConfigError` (one
+    line) for an entry that cannot be loaded."""
+    from pollux_launch.elastic.adaptation import PolicyError, load_policy
+
+    try:
+        return [load_policy(spec) for spec in pollux.policies or ()]
+    except PolicyError as exc:
+        raise PolluxConfigError(f"pollux.policies: {exc}") from None
 
 
 def _rehearse(recipe: _Recipe, pollux: PolluxConfig) -> None:

@@ -25,9 +25,17 @@ connects it to Horovod:
 A decision is applied by every rank: ``set_backward_passes_per_step(s + 1)`` on the
 optimizer, ``m (s+1)`` as the batch of the given ``data_loader`` (Horovod's "allreduce
 batch", which the training loop splits into ``optimizer.backward_passes_per_step``
-micro-batches), and the LR factor around each ``optimizer.step()`` - applied and undone,
-so the user's LR (and scheduler) never sees it. Without a ``data_loader`` the batch
-shape is the user's and only the LR factor applies.
+micro-batches; the loader's next batch has it, mid-epoch too), and the LR factor around
+each ``optimizer.step()`` - applied and undone, so the user's LR (and scheduler) never
+sees it. Without a ``data_loader`` the batch shape is the user's and only the LR factor
+applies.
+
+Adaptation policies (``policies=``, then ``pollux-run --policy-module``'s; default:
+Pollux's goodput policy) run on every rank at the controller's boundaries: after every
+step, for every new group, and where the script calls :meth:`HorovodControl.before_epoch`
+/ :meth:`HorovodControl.after_epoch`; their collectives are Horovod's. A policy's
+``stop()`` sets :attr:`HorovodControl.stopped` on every rank at the same step: the
+script's loop ends on it.
 
 Hints go to ``jobs/<POLLUX_JOB>/hints`` in the store named by ``POLLUX_STORE`` (set by
 ``pollux-run``); without it nothing is reported and decisions still apply.
@@ -35,21 +43,23 @@ Hints go to ``jobs/<POLLUX_JOB>/hints`` in the store named by ``POLLUX_STORE`` (
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import BatchSampler
 
 from pollux_launch import env as envvars
 from pollux_launch.elastic.adaptation import AdaptationPolicy, resolve_policies
 from pollux_launch.elastic.controller import ElasticController, HintsReporter
 from pollux_launch.tuning.gns import GNSEstimator, GradNoise
 from pollux_launch.tuning.progress import StatisticalProgress
-from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, default_lr_rule
+from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, batch_range, default_lr_rule
 
 from .measure import HorovodMeasurement
 
@@ -77,8 +87,9 @@ class HorovodControl:
     steps (``backward_passes_per_step - 1``); ``init_batch_size``: the job's ``M0``
     (default: the starting batch at the first sync, ``K m (s+1)``); ``max_batch_size``:
     how large the total batch may grow (default ``M0``: fixed batch, only its shape
-    adapts); ``local_bsz_bounds``: per-rank micro-batch bounds (default ``(m, m)``
-    without a ``data_loader``, else ``(max(1, m // 2), 4 m)``).
+    adapts); ``min_batch_size``: the lower end of the job's batch-size range (default
+    none); ``local_bsz_bounds``: per-rank micro-batch bounds (default ``(m, m)`` without a
+    ``data_loader``, else ``(max(1, m // 2), 4 m)``).
     """
 
     def __init__(
@@ -94,6 +105,7 @@ class HorovodControl:
         max_batch_size: int | None = None,
         local_bsz_bounds: tuple[int, int] | None = None,
         gradient_accumulation: bool | None = None,
+        min_batch_size: int | None = None,
         lr_scaling: str | Callable[[float, Any], float] = "auto",
         report_interval: float = 30.0,
         decide_every: int = 20,
@@ -110,11 +122,14 @@ class HorovodControl:
             raise ValueError("data_loader: need a torch DataLoader built with batch_size=... "
                              "(its batch sampler's batch size is what Pollux adapts)")
         adaptive_shape = data_loader is not None
+        if data_loader is not None:
+            _follow_batch_size(data_loader.batch_sampler)
         self.hvd, self.optimizer, self.measurement = hvd, optimizer, measurement
         self.data_loader = data_loader
         self.local_bsz, self.accum_steps = local_bsz, accum_steps
         self._init_batch_size = init_batch_size
         self._max_batch_size = max_batch_size
+        self._min_batch_size = min_batch_size
         self.local_bsz_bounds = local_bsz_bounds or (
             (max(1, local_bsz // 2), 4 * local_bsz) if adaptive_shape else (local_bsz, local_bsz))
         self.gradient_accumulation = (adaptive_shape if gradient_accumulation is None
@@ -188,14 +203,27 @@ class HorovodControl:
             self.controller.after_step(self.batch_size)
 
     def before_epoch(self, epoch: int) -> None:
-        """All ranks, before each epoch: the adaptation policies' ``before_epoch``."""
+        """All ranks, before each epoch: the adaptation policies' ``before_epoch`` and a
+        decision. (Without ``hvd.elastic`` the control starts here under pollux-run, as at
+        the first ``step()``: the first epoch's hooks are not lost.) After a reset
+        ``hvd.elastic.run`` calls the training function again on every rank, so a loop
+        that calls this at its top runs it again for the epoch in progress - on every
+        rank alike, newcomers included, as the policies' collectives need."""
+        self._start_unsynced()
         if self.controller is not None:
             self.controller.before_epoch(epoch)
 
     def after_epoch(self, epoch: int) -> None:
         """All ranks, after each epoch: the policies' ``after_epoch`` and a decision."""
+        self._start_unsynced()
         if self.controller is not None:
             self.controller.after_epoch(epoch)
+
+    def _start_unsynced(self) -> None:
+        """No ``TorchState`` sync started the control (a script without ``hvd.elastic``):
+        under pollux-run every rank starts it at its first call here or in ``step()``."""
+        if self.tuner is None and os.environ.get(envvars.JOB):
+            self.sync()
 
     @property
     def stopped(self) -> bool:
@@ -216,9 +244,9 @@ class HorovodControl:
 
     def _build(self, m0: int) -> None:
         lo, hi = self.local_bsz_bounds
-        mx = max(self._max_batch_size or m0, m0)
+        mn, mx = batch_range(m0, max(self._max_batch_size or m0, m0), self._min_batch_size)
         config = TunerConfig(
-            init_batch_size=m0, max_batch_size=mx, local_bsz_bounds=(lo, hi),
+            init_batch_size=m0, max_batch_size=mx, min_batch_size=mn, local_bsz_bounds=(lo, hi),
             gradient_accumulation=self.gradient_accumulation,
             adaptive_batch_size=mx > m0, lr_scaling=self.lr_scaling,
             report_interval=self.report_interval, min_gain=self.min_gain)
@@ -244,6 +272,30 @@ class HorovodControl:
                 "noise_scale": None if grad is None else grad.noise_scale,
                 "efficiency": None if grad is None or math.isnan(grad.noise_scale)
                 else float(grad.efficiency(self.batch_size))}
+
+
+class _FollowingBatchSampler(BatchSampler):
+    """torch's ``BatchSampler`` that reads ``batch_size`` for every batch. torch's own
+    reads it once per epoch with ``drop_last=True`` (its iterator zips that many
+    references to the sampler's), so a decision taken inside an epoch would reach the
+    loop only at the next one, while ``backward_passes_per_step``, the LR factor and the
+    statistics follow it at once."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        it = iter(self.sampler)
+        while True:
+            batch = list(itertools.islice(it, self.batch_size))
+            if not batch or (self.drop_last and len(batch) < self.batch_size):
+                return
+            yield batch
+
+
+def _follow_batch_size(batch_sampler: Any) -> None:
+    """Make the user's loader take a new ``batch_size`` at its next batch (a plain torch
+    ``BatchSampler``, the one ``DataLoader(batch_size=...)`` builds; the object stays the
+    same). With ``num_workers > 0`` the batches already prefetched keep their size."""
+    if type(batch_sampler) is BatchSampler:
+        batch_sampler.__class__ = _FollowingBatchSampler
 
 
 class _HorovodGroup:

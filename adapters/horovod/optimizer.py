@@ -181,6 +181,7 @@ def DistributedOptimizer(
     adapt: bool = True,
     data_loader: Any = None,
     max_batch_size: int | None = None,
+    min_batch_size: int | None = None,
     local_bsz_bounds: tuple[int, int] | None = None,
     lr_scaling: Any = "auto",
     report_interval: float = 30.0,
@@ -199,8 +200,9 @@ def DistributedOptimizer(
     Pollux's decisions (with ``local_bsz``, unless ``adapt=False``; see
     :class:`~.control.HorovodControl`): ``data_loader`` (its batch becomes
     ``m * backward_passes_per_step``), ``max_batch_size`` (default ``M0``: fixed total
-    batch), ``local_bsz_bounds``, ``lr_scaling`` ("auto": AdaScale for SGD, "sqrt" for
-    Adam; or "linear", "legw", a function), ``report_interval`` (seconds between hints),
+    batch), ``min_batch_size`` (the range's lower end), ``local_bsz_bounds``,
+    ``lr_scaling`` ("auto": AdaScale for SGD, "sqrt" for Adam; or "linear", "legw", a
+    function), ``report_interval`` (seconds between hints),
     ``decide_every`` (steps between decisions), ``on_decision(m, s, lr_factor)``,
     ``policies`` (adaptation policies, ``pollux_launch.elastic.AdaptationPolicy``; None:
     ``pollux-run --policy-module``'s, else Pollux's goodput policy).
@@ -233,7 +235,8 @@ def DistributedOptimizer(
         opt.pollux_control = HorovodControl(
             hvd, opt, opt.pollux, local_bsz=local_bsz, accum_steps=backward_passes_per_step - 1,
             data_loader=data_loader, init_batch_size=init_batch_size,
-            max_batch_size=max_batch_size, local_bsz_bounds=local_bsz_bounds,
+            max_batch_size=max_batch_size, min_batch_size=min_batch_size,
+            local_bsz_bounds=local_bsz_bounds,
             lr_scaling=lr_scaling, report_interval=report_interval, decide_every=decide_every,
             on_decision=on_decision, policies=policies)
     _register_state_handler()

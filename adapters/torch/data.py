@@ -184,7 +184,8 @@ class AdaptiveDataLoader:
     change at any optimiser-step boundary, with exactly-once epochs (module docstring).
 
     ``batch_size`` is the initial total batch size ``M0``. ``max_batch_size`` (default
-    ``M0``: a fixed batch size) bounds the total batch the agent may choose and
+    ``M0``: a fixed batch size) and ``min_batch_size`` (default none) bound the total
+    batch the agent may choose (the job's batch-size range) and
     ``local_bsz_bounds = (lo, hi)`` the per-replica micro-batch. Iterating yields this
     rank's micro-batches for the rest of the current epoch; with ``accum_steps = s`` every
     ``s + 1`` micro-batches form one optimiser step (:attr:`is_sync_step` tells which one
@@ -202,6 +203,7 @@ class AdaptiveDataLoader:
         batch_size: int,
         *,
         max_batch_size: int | None = None,
+        min_batch_size: int | None = None,
         local_bsz_bounds: tuple[int | None, int | None] = (None, None),
         gradient_accumulation: bool = True,
         shuffle: bool = True,
@@ -222,6 +224,10 @@ class AdaptiveDataLoader:
                 f"max_batch_size must be an integer >= batch_size ({batch_size}), "
                 f"got {max_batch_size!r}"
             )
+        if min_batch_size is not None and (not isinstance(min_batch_size, int)
+                                           or not 1 <= min_batch_size <= max_batch_size):
+            raise ValueError(f"min_batch_size must be an integer in [1, max_batch_size "
+                             f"{max_batch_size}], got {min_batch_size!r}")
         lo, hi = local_bsz_bounds
         lo = 1 if lo is None else lo
         hi = max_batch_size if hi is None else hi
@@ -230,6 +236,7 @@ class AdaptiveDataLoader:
         self.dataset = dataset
         self.init_batch_size = batch_size
         self.max_batch_size = max_batch_size
+        self.min_batch_size = min_batch_size
         self.local_bsz_bounds = (lo, hi)
         self.gradient_accumulation = gradient_accumulation
         self.sampler = ElasticSampler(len(dataset), shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]

@@ -63,7 +63,7 @@ from pollux_launch.rendezvous.process_group import broadcast_state, share_state,
 from pollux_launch.tuning.gns import GradNoise
 from pollux_launch.tuning.hooks import attach_measurement
 from pollux_launch.tuning.progress import StatisticalProgress
-from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, default_lr_rule
+from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, batch_range, default_lr_rule
 
 from .data import AdaptiveDataLoader
 from .job import ElasticJob, JobCollectives, init
@@ -99,12 +99,15 @@ class ElasticTrainer:
         self._extra: dict[str, Any] = {}
         self._ddp: DistributedDataParallel | None = None
         self._discard = False  # the forward of this micro-batch met a peer's failure
+        min_bsz, max_bsz = batch_range(loader.init_batch_size, loader.max_batch_size,
+                                       loader.min_batch_size)
         config = TunerConfig(
             init_batch_size=loader.init_batch_size,
-            max_batch_size=loader.max_batch_size,
+            max_batch_size=max_bsz,
+            min_batch_size=min_bsz,
             local_bsz_bounds=loader.local_bsz_bounds,
             gradient_accumulation=loader.gradient_accumulation,
-            adaptive_batch_size=loader.max_batch_size > loader.init_batch_size,
+            adaptive_batch_size=max_bsz > loader.init_batch_size,
             lr_scaling=default_lr_rule(optimizer) if lr_scaling == "auto" else lr_scaling,
             report_interval=report_interval,
             min_gain=min_gain,

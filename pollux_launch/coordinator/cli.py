@@ -11,7 +11,15 @@ import logging
 import signal
 import threading
 
-from ..arguments import fairness, lease_seconds, seconds, seconds_or_zero
+from ..arguments import (
+    OptionsError,
+    add_admission_arguments,
+    admission_from_args,
+    fairness,
+    lease_seconds,
+    seconds,
+    seconds_or_zero,
+)
 from ..calibration import add_calibration_argument, load_rescale_cost
 from ..policy import DEFAULT_POLICY, POLICIES, make_policy
 from ..policy.rescale_cost import DEFAULT_STATE_BYTES
@@ -40,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a node may be missing from the store (agent dead, or "
                         "its lease lost in a store outage) before its jobs are moved; make "
                         "it outlast the store stalls to ride out (default 40)")
+    add_admission_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -48,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s coordinator %(levelname)s %(message)s")
     try:
         cost = load_rescale_cost(args.rescale_calibration)
-    except ValueError as exc:
+        admission = admission_from_args(args)
+    except (OptionsError, ValueError) as exc:
         logging.error("%s", exc)
         return 2
     interval = args.interval or cost.round_interval("live")
@@ -60,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    logging.info("serving %s with policy %s every %.0f s (rescale costs: %s)", url,
-                 policy.name, interval, cost.source)
+    logging.info("serving %s with policy %s every %.0f s (rescale costs: %s; admission %s)",
+                 url, policy.name, interval, cost.source, admission.mode)
     with store:
         Coordinator(store, policy, interval=interval, lease_ttl=args.lease_ttl,
                     node_grace=args.node_grace, cost=cost,
-                    live_delay=args.realloc_delay).serve(stop)
+                    live_delay=args.realloc_delay, admission=admission).serve(stop)
     return 0

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..goodput import GoodputFunction, GradParams, PerfParams, SpeedupFunction, exploration_cap
+from ..goodput.capacity import ThroughputFunction
 from ..messages import Allocation, JobGeneration, JobHints, JobSpec
 from ..policy import JobInfo
 from ..policy.rescale_cost import DEFAULT_STATE_BYTES, RescaleCost
@@ -69,6 +70,7 @@ def model_speedup(hints: JobHints) -> SpeedupFn | None:
         local_bsz_bounds=hints.local_bsz_bounds,
         accumulation=hints.gradient_accumulation,
         fixed_batch_size=None if hints.adaptive_batch_size else hints.init_batch_size,
+        min_batch_size=hints.min_batch_size,
     )
 
 
@@ -87,6 +89,21 @@ def wanted_range(spec: JobSpec, hints: JobHints | None, max_replicas: int) -> tu
     return lo, hi
 
 
+def model_throughput(hints: JobHints) -> ThroughputFunction | None:
+    """The job's samples/s at its best batch in its range (system throughput, no
+    statistical efficiency: what saxena-dp maximises), or None without a model."""
+    if not hints.perf_params:
+        return None
+    return ThroughputFunction(
+        PerfParams(**hints.perf_params),
+        min_batch_size=hints.min_batch_size or hints.init_batch_size,
+        max_batch_size=hints.max_batch_size,
+        local_bsz_bounds=hints.local_bsz_bounds,
+        accumulation=hints.gradient_accumulation,
+        fixed_batch_size=None if hints.adaptive_batch_size else hints.init_batch_size,
+    )
+
+
 def job_info(
     spec: JobSpec,
     hints: JobHints | None,
@@ -96,12 +113,14 @@ def job_info(
     generation: JobGeneration | None = None,
     cost: RescaleCost | None = None,
     live_delay: float | None = None,
+    throughput_fn: SpeedupFn | None = None,
 ) -> JobInfo:
     """The policy's view of one job. ``speedup_fn`` is the caller's memoised
     ``model_speedup(hints)`` (fitting and memo tables are worth keeping across rounds);
     ``generation``: a restart-elastic job's measured restart cost; ``cost``: the
     calibrated rescale costs (None: the built-in ones); ``live_delay``: the operator's
-    fixed delta for live jobs (``--realloc-delay``), overriding the calibration."""
+    fixed delta for live jobs (``--realloc-delay``), overriding the calibration;
+    ``throughput_fn``: the caller's memoised ``model_throughput(hints)``."""
     max_replicas = spec.max_replicas
     delay = None
     state = DEFAULT_STATE_BYTES  # (the job's own is unknown: its measured pause is better)
@@ -136,4 +155,5 @@ def job_info(
         max_replicas=hi,
         preemptible=(spec.preemptible and spec.elasticity != "fixed") or not running,
         realloc_delay=delay,
+        throughput_fn=throughput_fn,
     )

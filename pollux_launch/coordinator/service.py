@@ -49,6 +49,7 @@ import numpy as np
 
 from .. import keys
 from ..messages import (
+    REJECTED_EXIT,
     Allocation,
     JobGeneration,
     JobHints,
@@ -61,9 +62,10 @@ from ..messages import (
 )
 from ..messages import encode as encode_msg
 from ..policy import Policy, PolicyNode
+from ..policy.admission import AdmissionConfig, Candidate, decide_admission
 from ..policy.rescale_cost import RescaleCost
 from ..rendezvous.store import Compare, Delete, Event, Put, Store, StoreError
-from .jobs import SpeedupFn, job_info, model_speedup
+from .jobs import SpeedupFn, job_info, model_speedup, model_throughput
 
 log = logging.getLogger(__name__)
 _DEAD = -float("inf")  # the missing-since mark of a node presumed dead
@@ -81,6 +83,7 @@ class _JobView:
     allocation: Allocation | None = None
     generation: JobGeneration | None = None
     hints_revision: int = 0
+    status_revision: int = 0
 
 
 class Coordinator:
@@ -98,8 +101,11 @@ class Coordinator:
         node_grace: float = 40.0,
         cost: RescaleCost | None = None,
         live_delay: float | None = None,
+        admission: AdmissionConfig | None = None,
     ) -> None:
         self.store, self.policy, self.interval = store, policy, interval
+        self.admission = admission or AdmissionConfig()
+        self._admitted_now: set[str] = set()  # admitted in this round
         # what a change costs each job (the penalty's delta, by kind): see jobs.job_info
         self.cost, self.live_delay = cost, live_delay
         self.node_grace = node_grace
@@ -116,7 +122,8 @@ class Coordinator:
         self.rounds = 0
         self._lease = 0
         self.term = 0  # the create revision of our leader key while we lead
-        self._memo: dict[str, tuple[float, SpeedupFn | None]] = {}
+        # per job: (hints timestamp, speedup, throughput) of its model
+        self._memo: dict[str, tuple[float, SpeedupFn | None, SpeedupFn | None]] = {}
         self.values = ValueLog(log)  # a bad value is logged once per key and revision
         self._good: dict[str, Allocation] = {}  # per job: the last well-formed allocation
 
@@ -129,6 +136,9 @@ class Coordinator:
         active = [n for n, v in sorted(jobs.items())
                   if v.spec is not None and not (v.status and v.status.finished)]
         nodes = self._with_grace(present, [jobs[n].allocation for n in active], now)
+        self._admitted_now = set()
+        if self.admission.enabled:
+            active = self._admit(active, jobs, sum(n.slots for n in nodes), now)
         names = [n.name for n in nodes]
         index = {name: i for i, name in enumerate(names)}
         current = np.zeros((len(active), len(nodes)), dtype=int)
@@ -138,7 +148,7 @@ class Coordinator:
                 if node in index:
                     current[j, index[node]] += 1
         infos = [job_info(v.spec, v.hints, v.allocation, now, self._speedup(n, v), v.generation,
-                          self.cost, self.live_delay)
+                          self.cost, self.live_delay, self._memo[n][2])
                  for n, v in ((n, jobs[n]) for n in active)]
         held = _held({name: jobs[name].allocation for name in active})
         free = [PolicyNode(n.name, _capacity(n, held.get(n.name, {}))) for n in nodes]
@@ -153,7 +163,9 @@ class Coordinator:
         for j, name in enumerate(active):
             old = jobs[name].allocation
             placement = _placement(old.nodes if old else (), target[j], names)
-            if placement != (old.nodes if old else ()):  # (no key for "not placed yet")
+            # (no key for "not placed yet", unless admission control admitted it now)
+            if placement != (old.nodes if old else ()) or (old is None
+                                                          and name in self._admitted_now):
                 writes[name] = Allocation(_next_version(old), placement, now, self.term)
         for name, view in jobs.items():  # finished jobs give their slots back
             if view.status and view.status.finished and view.allocation and view.allocation.nodes:
@@ -184,32 +196,79 @@ class Coordinator:
         self.rounds += 1
         return writes
 
+    def _admit(self, active: list[str], jobs: dict[str, _JobView], capacity: int,
+               now: float) -> list[str]:
+        """Admission control (``pollux_launch.policy.admission``): the jobs that compete
+        this round. A job is admitted once it has an allocation record (written in the
+        round that admits it, empty if the policy gives it nothing yet); the others queue
+        in arrival order (status ``queued``, with why) or are rejected (status
+        ``rejected``, exit code REJECTED_EXIT: its launcher ends with one line)."""
+        def candidate(name: str) -> Candidate:
+            spec = jobs[name].spec
+            assert spec is not None
+            return Candidate(name, spec.submit_time, spec.min_replicas)
+
+        held = [n for n in active if jobs[n].allocation is not None]
+        waiting = [n for n in active if n not in held]
+        got = decide_admission(self.admission, [candidate(n) for n in waiting],
+                               [candidate(n) for n in held], capacity, now)
+        for name in got.admit:
+            if jobs[name].status is not None and jobs[name].status.state == "queued":
+                self._set_status(name, jobs[name], JobStatus("pending", None, "admitted", now))
+        for name, why in got.drop:
+            log.info("job %s rejected: %s", name, why)
+            self._set_status(name, jobs[name], JobStatus("rejected", REJECTED_EXIT, why, now))
+        for name in got.wait:
+            status = jobs[name].status
+            if status is None or status.state != "queued":
+                self._set_status(name, jobs[name], JobStatus(
+                    "queued", None, "waiting for admission: the running jobs need every GPU"
+                    if self.admission.max_running is None else
+                    "waiting for admission (cluster full or --max-running reached)", now))
+        self._admitted_now = set(got.admit)
+        admitted = set(held) | self._admitted_now
+        return [n for n in active if n in admitted]
+
+    def _set_status(self, name: str, view: _JobView, status: JobStatus) -> None:
+        """Write a job's status unless it changed since this round read it (a launcher's
+        cancel, a node agent's start) or we no longer lead."""
+        guard = [Compare(keys.job(name, "status"), "mod_revision", "==", view.status_revision)]
+        if self._lease:
+            guard += [Compare(keys.LEADER, "create_revision", "==", self.term)]
+        if not self.store.txn(guard, [Put(keys.job(name, "status"), encode_msg(status))]):
+            log.info("job %s: its status changed meanwhile; admission decides next round",
+                     name)
+
     def _speedup(self, name: str, view: _JobView) -> SpeedupFn | None:
         """Memoised per job and hints timestamp: each fitted model is built once and its
-        goodput memo table reused across rounds."""
+        goodput memo table reused across rounds (its throughput function beside it)."""
         stamp = view.hints.timestamp if view.hints else -1.0
         cached = self._memo.get(name)
         if cached is None or cached[0] != stamp:
-            cached = (stamp, self._checked_model(name, view.hints, view.hints_revision)
-                      if view.hints else None)
+            models = (self._checked_model(name, view.hints, view.hints_revision)
+                      if view.hints else (None, None))
+            cached = (stamp, *models)
             self._memo[name] = cached
         return cached[1]
 
-    def _checked_model(self, name: str, hints: JobHints, revision: int) -> SpeedupFn | None:
-        """The job's model, if it gives finite speedups where the policy will look; else
-        None (the job is scheduled as if it had reported no model yet), said once. Hints
-        come from the job's own rank 0: they must never stop the scheduler."""
+    def _checked_model(self, name: str, hints: JobHints, revision: int
+                       ) -> tuple[SpeedupFn | None, SpeedupFn | None]:
+        """The job's speedup and throughput functions, if they give finite values where
+        the policy will look; else None (the job is scheduled as if it had reported no
+        model yet), said once. Hints come from the job's own rank 0: they must never stop
+        the scheduler."""
         try:
-            fn = model_speedup(hints)
-            if fn is not None:
-                probe = np.asarray(fn(np.array([1, 1, 2, 8]), np.array([1, 2, 4, 64])))
-                if probe.shape != (4,) or not np.all(np.isfinite(probe)):
-                    raise ValueError("non-finite speedup")
-            return fn
+            fns = (model_speedup(hints), model_throughput(hints))
+            for fn in fns:
+                if fn is not None:
+                    probe = np.asarray(fn(np.array([1, 1, 2, 8]), np.array([1, 2, 4, 64])))
+                    if probe.shape != (4,) or not np.all(np.isfinite(probe)):
+                        raise ValueError("non-finite speedup")
+            return fns
         except (ArithmeticError, ValueError) as exc:
             self.values.bad(keys.job(name, "hints"), revision,
                             f"its throughput model cannot be used ({exc})")
-            return None
+            return None, None
 
     def _with_grace(self, present: list[NodeInfo], allocs: list[Allocation | None],
                     now: float) -> list[NodeInfo]:
@@ -279,6 +338,8 @@ class Coordinator:
                 setattr(view, split[1], value)
                 if split[1] == "hints":
                     view.hints_revision = kv.mod_revision
+                elif split[1] == "status":
+                    view.status_revision = kv.mod_revision
         return jobs
 
     # -- the service -----------------------------------------------------------------

@@ -147,8 +147,8 @@ def fit_total(total: int, replicas: int, config: TunerConfig, accum_steps: int |
 def resolve_batch(actions: Actions, replicas: int, current: tuple[int, int],
                   config: TunerConfig) -> tuple[int, int] | None:
     """The ``(m, s)`` that ``actions`` ask for on ``replicas`` replicas (None: no batch
-    action), within the job's limits: the per-GPU bounds, and a total batch at most
-    ``max_batch_size``. Pure."""
+    action), within the job's limits: the per-GPU bounds, and a total batch in its range
+    ``[min_batch_size, max_batch_size]``. Pure."""
     lo, hi = config.local_bsz_bounds
     if actions.local_bsz is not None:
         # (as given: the policy that names (m, s) answers for its total)
@@ -158,7 +158,7 @@ def resolve_batch(actions: Actions, replicas: int, current: tuple[int, int],
         return None
     m0, s0 = current
     total = actions.batch_size if actions.batch_size is not None else replicas * m0 * (s0 + 1)
-    total = min(max(1, total), config.max_batch_size)
+    total = min(max(config.min_batch_size or 1, total), config.max_batch_size)
     return fit_total(total, replicas, config, actions.accum_steps)
 
 

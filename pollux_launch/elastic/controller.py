@@ -324,7 +324,8 @@ class ElasticController:
                 "resets": self.resets, "lr_factor": self.lr_factor,
                 "loader": self.loader.state_dict() if self.loader is not None else None,
                 "replicas": list(self.replica_request) if self.replica_request else None,
-                "lr_fixed": self._lr_fixed, "policies": self._policy_states()}
+                "lr_fixed": self._lr_fixed, "policies": self._policy_states(),
+                "size": self._decided_size}
 
     def _policy_states(self) -> dict[str, Any]:
         return {f"{i}:{p.label}": p.state_dict() for i, p in enumerate(self.policies)}
@@ -340,6 +341,9 @@ class ElasticController:
         wanted = state.get("replicas")
         self.replica_request = (int(wanted[0]), int(wanted[1])) if wanted else None
         self._lr_fixed = bool(state.get("lr_fixed", False))
+        # the group size the job last decided for: what a newcomer's policies see as
+        # previous_world_size, as the survivors do (0: the job's start)
+        self._decided_size = int(state.get("size", 0))
         saved = state.get("policies") or {}
         for i, p in enumerate(self.policies):  # (a policy the state lacks keeps its own)
             if isinstance(saved.get(f"{i}:{p.label}"), dict):

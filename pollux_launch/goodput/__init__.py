@@ -5,11 +5,13 @@
 * :mod:`.efficiency` - gradient statistics and statistical efficiency (Eqn 4-6)
 * :mod:`.function`   - goodput and the best (m, s) per allocation (Eqn 13)
 * :mod:`.speedup`    - memoised speedup relative to a reference allocation (Eqn 15)
+* :mod:`.capacity`   - memoised throughput at the best batch size, no efficiency (Eqn 7-11)
 * :mod:`.lr`         - learning-rate scaling rules (linear, sqrt, AdaScale, LEGW)
 
 Numpy arrays and frozen dataclasses in, arrays out; no I/O, clocks or globals.
 """
 
+from .capacity import ThroughputFunction
 from .efficiency import GradParams, efficiency, gain, noise_scale
 from .function import GoodputFunction, GridCache
 from .lr import LEGWState, lr_rules, register_lr_rule, scale_lr, unregister_lr_rule
@@ -30,6 +32,7 @@ __all__ = [
     "LEGWState",
     "PerfParams",
     "SpeedupFunction",
+    "ThroughputFunction",
     "efficiency",
     "exploration_cap",
     "fit_perf_params",

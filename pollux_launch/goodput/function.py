@@ -106,6 +106,7 @@ class GoodputFunction:
         local_bsz_bounds: tuple[int, int],
         accumulation: bool = True,
         fixed_batch_size: int | None = None,
+        min_batch_size: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Best (goodput, local_bsz m, accum_steps s) for each allocation (Eqn 13).
 
@@ -113,7 +114,8 @@ class GoodputFunction:
         that shape. Candidate total batches M lie geometrically in
         ``[max(M0, K * m_min), max_batch_size]``; each uses the fewest accumulation steps
         whose per-GPU batch fits ``m <= m_max`` (``s = 0`` without ``accumulation``).
-        ``fixed_batch_size`` pins M (efficiency 1). Where no configuration fits - or the
+        ``fixed_batch_size`` pins M (efficiency 1); ``min_batch_size`` (the job's batch-size
+        range's lower end) leaves out totals below it. Where no configuration fits - or the
         allocation has no replicas - goodput, m and s are 0.
         """
         m_lo, m_hi = _check_bounds(local_bsz_bounds)
@@ -157,6 +159,8 @@ class GoodputFunction:
         if fixed_batch_size is None:
             good *= self._efficiency(total)
         good[~valid] = 0.0
+        if min_batch_size is not None and fixed_batch_size is None:
+            good[total < min_batch_size] = 0.0
         best = np.argmax(good, axis=1)
         rows = np.arange(len(best))
         goodput = good[rows, best]

@@ -31,6 +31,7 @@ class SpeedupFunction:
         accumulation: bool = True,
         fixed_batch_size: int | None = None,
         reference: tuple[int, int] = (1, 1),
+        min_batch_size: int | None = None,
     ):
         self._goodput_fn = goodput_fn
         self._kwargs = {
@@ -38,6 +39,7 @@ class SpeedupFunction:
             "local_bsz_bounds": local_bsz_bounds,
             "accumulation": accumulation,
             "fixed_batch_size": fixed_batch_size,
+            "min_batch_size": min_batch_size,
         }
         self._table = np.full((2, 5), np.nan)  # [nodes, replicas] -> best goodput
         self._table[:, 0] = 0.0  # no replicas, no progress

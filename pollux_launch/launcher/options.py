@@ -133,6 +133,8 @@ class LaunchOptions:
     max_restarts: int = 0
     stop_grace: float = 30.0
     reports_goodput: bool = True  # the script uses the pollux API
+    min_batch_size: int | None = None  # the job's batch-size range (None: the script's)
+    max_batch_size: int | None = None
 
     @property
     def elastic(self) -> bool:
@@ -232,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=_unsupported_dest(flag), nargs="?", const="",
                        help=argparse.SUPPRESS)
     add_store_arguments(p)
+    x.add_argument("--min-batch-size", type=count, default=None, metavar="N",
+                   help="smallest total batch the job may run with (its batch-size range; "
+                   "narrows the script's)")
+    x.add_argument("--max-batch-size", type=count, default=None, metavar="N",
+                   help="largest total batch the job may run with (narrows the script's)")
     x.add_argument("--policy-module", action="append", default=None, metavar="MODULE:CLASS",
                    help="an adaptation policy for the job's workers (repeatable, in order; "
                    "'pollux' is Pollux's goodput policy, the default, which any given list "
@@ -440,6 +447,7 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
                            "worker fails); restarts apply to restart-elastic and fixed jobs")
     checkpoint_env = _checkpoint_env(ns, cwd)
     policy_env = _policy_env(ns, command, cwd)
+    batch_env = _batch_env(ns)
     if ns.output_filename:
         _writable_folder("--output-filename", ns.output_filename, cwd)
     return LaunchOptions(
@@ -453,10 +461,11 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         fairness=ns.fairness, interval=ns.interval, realloc_delay=ns.realloc_delay,
         policy=ns.policy, framework=framework,
         horovod_env=horovod_env, store_options=store_options(ns),
-        worker_env={**worker_store_env(ns), **checkpoint_env, **policy_env},
+        worker_env={**worker_store_env(ns), **checkpoint_env, **policy_env, **batch_env},
         secret_file=ns.secret_file,
         elasticity=elasticity, elasticity_reason=why, max_restarts=max_restarts,
         stop_grace=ns.restart_grace, reports_goodput=uses_pollux_api(command, cwd),
+        min_batch_size=ns.min_batch_size, max_batch_size=ns.max_batch_size,
     )
 
 
@@ -471,6 +480,19 @@ def _checkpoint_env(ns: argparse.Namespace, cwd: Path) -> dict[str, str]:
     env = {envvars.CHECKPOINT_DIR: str(folder)}
     if ns.checkpoint_interval is not None:
         env[envvars.CHECKPOINT_INTERVAL] = repr(float(ns.checkpoint_interval))
+    return env
+
+
+def _batch_env(ns: argparse.Namespace) -> dict[str, str]:
+    """The workers' batch-size range (their agents narrow the script's with it)."""
+    lo, hi = ns.min_batch_size, ns.max_batch_size
+    if lo is not None and hi is not None and lo > hi:
+        raise OptionsError(f"--min-batch-size {lo} is above --max-batch-size {hi}")
+    env = {}
+    if lo is not None:
+        env[envvars.MIN_BATCH_SIZE] = str(lo)
+    if hi is not None:
+        env[envvars.MAX_BATCH_SIZE] = str(hi)
     return env
 
 

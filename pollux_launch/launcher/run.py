@@ -39,7 +39,16 @@ from .. import env as envvars
 from .. import keys
 from ..calibration import load_rescale_cost
 from ..coordinator.service import Coordinator
-from ..messages import Allocation, JobHints, JobSpec, JobStatus, NodeInfo, ValueLog, encode
+from ..messages import (
+    REJECTED_EXIT,
+    Allocation,
+    JobHints,
+    JobSpec,
+    JobStatus,
+    NodeInfo,
+    ValueLog,
+    encode,
+)
 from ..policy import DEFAULT_POLICY, make_policy
 from ..policy.rescale_cost import DEFAULT_STATE_BYTES
 from ..rendezvous.network import advertised_address
@@ -209,7 +218,8 @@ def _spec(opts: LaunchOptions, local: bool) -> JobSpec:
         submit_time=time.time(), workdir=os.getcwd(), env=env,
         submission=uuid.uuid4().hex, expires=time.time() + SPEC_TTL,
         elasticity=opts.elasticity, max_restarts=opts.max_restarts, stop_grace=opts.stop_grace,
-        reports_goodput=opts.reports_goodput,
+        reports_goodput=opts.reports_goodput, min_batch_size=opts.min_batch_size,
+        max_batch_size=opts.max_batch_size,
     )
 
 
@@ -289,6 +299,10 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
             if unreachable:
                 print(f"[pollux] {job}: store reachable again", file=stdout, flush=True)
                 unreachable = False
+            if status is not None and status.state == "rejected":  # admission control
+                print(f"[pollux] {job}: rejected: {status.message or 'by the coordinator'}",
+                      file=stdout, flush=True)
+                return REJECTED_EXIT
             if status is not None and status.finished:
                 if drain is not None:
                     drain()
@@ -297,7 +311,9 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
                 print(f"[pollux] {job}: {status.state}, exit code {code}{detail}",
                       file=stdout, flush=True)
                 return code if code >= 0 else 128 - code  # killed by signal N: 128+N
-            line = (describe_hints(hints) if hints
+            line = (f"queued: {status.message}" if status is not None
+                    and status.state == "queued"
+                    else describe_hints(hints) if hints
                     else describe_allocation(alloc) if opts.elasticity != "live"
                     else "waiting for the first report")
             if line != last_line:

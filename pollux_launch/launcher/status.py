@@ -146,6 +146,11 @@ def render(store: Store, now: float | None = None) -> str:
              and not ((st := view.get("status")) is not None and st.finished)]
     if wants:
         out.append("adaptation policies' requests: " + "; ".join(wants))
+    admission = [f"{name} {st.state}: {st.message}" for name, view in sorted(jobs.items())
+                 if (st := view.get("status")) is not None
+                 and st.state in ("queued", "rejected") and st.message]
+    if admission:
+        out.append("admission: " + "; ".join(admission))
     if bad:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         out.append(f"ignored {len(bad)} malformed store value(s): "

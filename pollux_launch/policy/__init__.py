@@ -5,6 +5,9 @@ allocation matrix out. Engines behind one interface, chosen by name::
 
     policy = make_policy("pollux-dp", p=-1, delta=30.0, interference_avoidance=True)
     alloc = policy.optimize(jobs, nodes, current)   # (len(jobs), len(nodes)) ints
+
+Engines: ``pollux-dp`` (default) and ``pollux-ga`` maximise Pollux's FITNESS_p;
+``saxena-dp`` maximises total throughput (Saxena et al., MASCOTS 2020).
 """
 
 from pollux_launch.policy.base import JobInfo, Policy, PolicyNode, SpeedupFn

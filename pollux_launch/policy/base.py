@@ -37,6 +37,11 @@ class JobInfo:
     # seconds a change of allocation costs this job (delta of the re-allocation penalty);
     # None: the policy's own delta
     realloc_delay: float | None = None
+    # samples/s at (num_nodes, num_replicas) at the job's best batch size within its
+    # range, system throughput only (no statistical efficiency), 0 at 0 replicas: e.g.
+    # goodput.ThroughputFunction. Used by throughput-maximising engines (saxena-dp).
+    # None: unknown; saxena-dp then scales the shape of speedup_fn instead (see there).
+    throughput_fn: SpeedupFn | None = None
 
 
 @dataclass(frozen=True)

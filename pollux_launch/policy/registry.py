@@ -19,9 +19,21 @@ def _ga(**options) -> Policy:
     return GAPolicy(**options)
 
 
+def _saxena(**options) -> Policy:
+    from pollux_launch.policy.saxena import SaxenaDPPolicy
+
+    return SaxenaDPPolicy(**options)
+
+
 #: name -> factory(**options). Common options: p (fairness, default -1), delta
-#: (re-allocation delay, default 30 s), interference_avoidance (default True), seed.
-POLICIES: dict[str, Callable[..., Policy]] = {"pollux-dp": _dp, "pollux-ga": _ga}
+#: (re-allocation delay, default 30 s), interference_avoidance (default True), seed;
+#: saxena-dp (Saxena et al.'s throughput-maximising DP) accepts them all but uses only
+#: interference_avoidance.
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "pollux-dp": _dp,
+    "pollux-ga": _ga,
+    "saxena-dp": _saxena,
+}
 
 #: The engine used when none is named: the DP finds fitter allocations far faster.
 DEFAULT_POLICY = "pollux-dp"

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .. import env as envvars
 from .. import keys
 from ..goodput import GoodputFunction, GridCache, PerfParams, fit_perf_params, scale_lr
 from ..messages import JobHints, encode
@@ -55,10 +57,16 @@ class TunerConfig:
     report_interval: float = 30.0
     fit_interval: float = 10.0
     min_gain: float = 0.05
+    # the job's batch-size range's lower end (Saxena et al.): no total batch below it
+    min_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         m0, mx = self.init_batch_size, self.max_batch_size
         lo, hi = self.local_bsz_bounds
+        mn = self.min_batch_size
+        if mn is not None and (not isinstance(mn, int) or not 1 <= mn <= mx):
+            raise ValueError(f"min batch size must be an integer in [1, max batch size {mx}], "
+                             f"got {mn!r}")
         if not isinstance(m0, int) or m0 < 1:
             raise ValueError(f"initial batch size must be a positive integer, got {m0!r}")
         if not isinstance(mx, int) or mx < m0:
@@ -67,6 +75,31 @@ class TunerConfig:
             raise ValueError(f"per-GPU batch bounds must satisfy 1 <= lo <= hi, got {(lo, hi)}")
         if self.min_gain < 0 or self.report_interval <= 0 or self.fit_interval <= 0:
             raise ValueError("min_gain must be >= 0 and the intervals positive")
+
+
+def batch_range(init_batch_size: int, max_batch_size: int, min_batch_size: int | None = None,
+                environ: Mapping[str, str] | None = None) -> tuple[int | None, int]:
+    """The job's ``(min, max)`` total batch: the script's, narrowed by pollux-run's
+    ``--min-batch-size``/``--max-batch-size`` (through the environment). The max never
+    falls below ``init_batch_size`` (M0 is where training starts). Raises ValueError
+    (one line) when nothing is left."""
+    environ = os.environ if environ is None else environ
+    lo, hi = min_batch_size, max_batch_size
+    try:
+        if environ.get(envvars.MIN_BATCH_SIZE):
+            lo = max(lo or 1, int(environ[envvars.MIN_BATCH_SIZE]))
+        if environ.get(envvars.MAX_BATCH_SIZE):
+            hi = min(hi, int(environ[envvars.MAX_BATCH_SIZE]))
+    except ValueError:
+        raise ValueError(f"${envvars.MIN_BATCH_SIZE}/${envvars.MAX_BATCH_SIZE} must be "
+                         "integers") from None
+    if hi < init_batch_size:
+        raise ValueError(f"batch-size range: max {hi} is below the initial batch size "
+                         f"{init_batch_size}, where training starts; raise it")
+    if lo is not None and lo > hi:
+        raise ValueError(f"batch-size range: min {lo} is above max {hi} (the script's and "
+                         "--min-batch-size/--max-batch-size together); widen one of them")
+    return lo, hi
 
 
 def default_lr_rule(optimizer: Any) -> str:
@@ -129,9 +162,9 @@ class GoodputTuner:
 
     # -- decisions -------------------------------------------------------------------
     def default_batch(self, num_replicas: int) -> tuple[int, int]:
-        """(m, s) before any model: keep the total batch near M0."""
+        """(m, s) before any model: keep the total batch near M0 (within the range)."""
         lo, hi = self.config.local_bsz_bounds
-        m0 = self.config.init_batch_size
+        m0 = max(self.config.init_batch_size, self.config.min_batch_size or 0)
         m = min(max(math.ceil(m0 / num_replicas), lo), hi)
         s = 0
         if self.config.gradient_accumulation and m * num_replicas < m0:
@@ -163,6 +196,7 @@ class GoodputTuner:
             cfg.local_bsz_bounds,
             accumulation=cfg.gradient_accumulation,
             fixed_batch_size=fixed,
+            min_batch_size=cfg.min_batch_size,
         )
         best = (int(m[0]), int(s[0]))
         if best[0] < 1:  # nothing fits: stay where we are if we can
@@ -179,7 +213,8 @@ class GoodputTuner:
         total = num_replicas * m * (s + 1)
         if not self.config.adaptive_batch_size:
             return lo <= m <= hi
-        return lo <= m <= hi and total <= self.config.max_batch_size
+        return (lo <= m <= hi and total <= self.config.max_batch_size
+                and total >= (self.config.min_batch_size or 0))
 
     def lr_factor(self, batch_size: int) -> float:
         scale = batch_size / self.config.init_batch_size
@@ -204,6 +239,7 @@ class GoodputTuner:
         return JobHints(
             init_batch_size=cfg.init_batch_size,
             max_batch_size=cfg.max_batch_size,
+            min_batch_size=cfg.min_batch_size,
             local_bsz_bounds=cfg.local_bsz_bounds,
             gradient_accumulation=cfg.gradient_accumulation,
             adaptive_batch_size=cfg.adaptive_batch_size,

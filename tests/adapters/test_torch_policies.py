@@ -35,6 +35,7 @@ def test_a_policy_from_the_command_line_grows_shrinks_and_stops_the_job(tmp_path
     grown = [r for r in events if r["ev"] == "rescale" and r["world"] == 2]
     assert len(grown) == 2 and {r["total"] for r in grown} == {3.0}  # 1 + 2 on the new group
     assert len({r["step"] for r in grown}) == 1  # both at the same step
+    assert {r["prev"] for r in grown} == {1}  # the newcomer sees what the survivor does
     assert sum(r["ev"] == "detached" for r in events) == 1  # the leaver's on_rescale
     shrunk = [r for r in events if r["ev"] == "rescale" and r["prev"] == 2]
     assert len(shrunk) == 1 and shrunk[0]["world"] == 1 and shrunk[0]["total"] == 1.0
