@@ -1,21 +1,25 @@
 """sim: trace-driven cluster simulator over the Pollux trace format (``pollux-run simulate``).
 
 * :mod:`.traces`    the six models' tables and the ground truth read from them
-* :mod:`.workload`  workload CSVs (``name,time,application,num_replicas,batch_size``)
-* :mod:`.simulator` the cluster loop: jobs learn online, the policy allocates each round
-* :mod:`.baselines` non-adaptive TunedJobs policies (``tuned-las``, ``tuned-fifo``)
+* :mod:`.workload`  workload CSVs (``name,time,application,num_replicas,batch_size``, and
+                    optional ``min_batch_size,max_batch_size,max_replicas`` limits)
+* :mod:`.simulator` the cluster loop: admission control, then jobs learn online and the
+                    policy allocates each round (optionally after profiling on arrival)
+* :mod:`.baselines` TunedJobs policies (``tuned-las``, ``tuned-fifo``) and ``max-bs``
+* :mod:`.generate`  Saxena et al.'s scenarios: Poisson arrivals at a high or a low rate
 * :mod:`.run`       workload file + policy name -> :class:`SimResult`
 * :mod:`.plots`     JCT CDF and GPUs / efficiency timelines (PNG)
 * :mod:`.cli`       the ``simulate`` subcommand
 """
 
-from pollux_launch.sim.simulator import SimConfig, SimResult, simulate
+from pollux_launch.sim.simulator import ProfileConfig, SimConfig, SimResult, simulate
 from pollux_launch.sim.traces import ModelTrace, available_models, load_model
-from pollux_launch.sim.workload import JobSpec, WorkloadError, load_workload
+from pollux_launch.sim.workload import JobSpec, WorkloadError, load_workload, write_workload
 
 __all__ = [
     "JobSpec",
     "ModelTrace",
+    "ProfileConfig",
     "SimConfig",
     "SimResult",
     "WorkloadError",
@@ -23,4 +27,5 @@ __all__ = [
     "load_model",
     "load_workload",
     "simulate",
+    "write_workload",
 ]

@@ -1,4 +1,13 @@
-"""Non-adaptive baselines: TunedJobs gang scheduling in FIFO or least-attained-service order.
+"""Baselines: TunedJobs gang scheduling (FIFO or least attained service), and max-bs.
+
+``max-bs`` is the baseline of Saxena et al. (MASCOTS 2020) that scales GPUs but cannot
+vary batch sizes: exactly the ``saxena-dp`` engine (the same throughput-maximising DP
+over jobs x GPUs, every job given >= 1 GPU), with every adaptive job's total batch size
+fixed at the top of its range (``max_batch_size``, default the model's largest validated
+batch) - in the simulated world (the job trains at that batch on whatever GPUs it gets,
+split evenly, with gradient accumulation where one GPU cannot hold its share) and in what
+the policy sees (``JobInfo.throughput_fn`` and ``speedup_fn`` at that fixed batch). Its
+GPUs are still elastic; only the batch size is not.
 
 A TunedJobs job runs on exactly the hand-tuned number of GPUs from the workload's
 ``num_replicas`` column (passed as :attr:`JobInfo.max_replicas`) with its fixed
@@ -100,3 +109,8 @@ BASELINES = {
     "tuned-las": lambda **_: TunedJobsPolicy("las"),
     "tuned-fifo": lambda **_: TunedJobsPolicy("fifo"),
 }
+
+
+#: Baselines that keep adaptive GPU counts but fix every job's batch at its maximum:
+#: name -> the engine that divides the GPUs (``SimConfig.fixed_max_batch`` does the rest).
+FIXED_BATCH_BASELINES = {"max-bs": "saxena-dp"}

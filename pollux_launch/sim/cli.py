@@ -2,7 +2,15 @@
 
 Prints per-job JCTs and a summary (unless ``--json``), and as its LAST line one JSON
 object with avg_jct, p99_jct, makespan, solve_ms_median, solve_ms_p95, rounds, policy,
-.... ``--output DIR`` also writes DIR/summary.json, DIR/jct_cdf.png, DIR/timeline.png.
+completed, drop_ratio, avg_queue_delay, .... ``--output DIR`` also writes
+DIR/summary.json, DIR/jct_cdf.png, DIR/timeline.png (and DIR/workload.csv for a
+``--scenario``).
+
+``--scenario high_rate|low_rate`` generates Saxena et al.'s scenarios
+(:mod:`pollux_launch.sim.generate`) instead of reading ``--workload``;
+``--admission queue|drop`` puts admission control in front of the policy
+(:mod:`pollux_launch.policy.admission`); ``--profile-on-arrival`` profiles each new job
+on a few GPU counts before it competes (:class:`pollux_launch.sim.simulator.ProfileConfig`).
 """
 
 from __future__ import annotations
@@ -12,15 +20,25 @@ import json
 import sys
 from pathlib import Path
 
+from pollux_launch.arguments import add_admission_arguments, admission_from_args
 from pollux_launch.calibration import add_calibration_argument, load_rescale_cost
 from pollux_launch.policy.rescale_cost import RESCALE_MODELS
-from pollux_launch.sim.run import config_for, policy_names, run_workload
+from pollux_launch.sim.generate import SCENARIOS, generate_workload
+from pollux_launch.sim.run import config_for, policy_names, run_specs, run_workload
+from pollux_launch.sim.simulator import PROFILE_LADDERS, ProfileConfig
 from pollux_launch.sim.traces import MODELS_DIR
+from pollux_launch.sim.workload import write_workload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", required=True, metavar="FILE",
-                        help="workload CSV (name,time,application[,num_replicas,batch_size])")
+    parser.add_argument("--workload", default=None, metavar="FILE",
+                        help="workload CSV (name,time,application[,num_replicas,batch_size]"
+                             "[,min_batch_size,max_batch_size,max_replicas])")
+    parser.add_argument("--scenario", default=None, choices=sorted(SCENARIOS),
+                        help="instead of --workload: generate Saxena et al.'s scenario for "
+                             "this cluster (Poisson arrivals; --seed picks the draw)")
+    parser.add_argument("--scenario-jobs", type=int, default=None, metavar="N",
+                        help="jobs the --scenario draws (40)")
     parser.add_argument("--policy", default=None, metavar="NAME",
                         help=f"scheduling policy (default: the fast Pollux solver); "
                              f"one of {', '.join(policy_names())}")
@@ -41,7 +59,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="slowdown of distributed jobs sharing a node, 0..1 (0)")
     parser.add_argument("--fairness", type=float, default=-1.0, metavar="P",
                         help="fairness knob p of the Pollux objective (Eqn 14; default -1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of randomised policies (0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of randomised policies and of --scenario's draw (0)")
+    add_admission_arguments(parser)
+    parser.add_argument("--horizon", type=float, default=None, metavar="S",
+                        help="stop at simulated time S and count the jobs completed by then "
+                             "(default: none; a --scenario's arrival window)")
+    parser.add_argument("--profile-on-arrival", action="store_true",
+                        help="a new job first trains briefly on 1, 2, 4, ... GPUs up to its "
+                             "cap (at most --profile-max-replicas) to seed its throughput "
+                             "model, then competes")
+    parser.add_argument("--profile-seconds", type=float, default=None, metavar="S",
+                        help="--profile-on-arrival: seconds of training per GPU count (60)")
+    parser.add_argument("--profile-max-replicas", type=int, default=None, metavar="K",
+                        help="--profile-on-arrival: largest GPU count profiled (8)")
+    parser.add_argument("--profile-counts", default=None, choices=PROFILE_LADDERS,
+                        help="--profile-on-arrival: GPU counts profiled: doubling (1, 2, 4, "
+                             "... then the largest) or ends (1, then the largest) (doubling)")
     parser.add_argument("--output", metavar="DIR", default=None,
                         help="also write summary.json and PNG plots into DIR")
     parser.add_argument("--json", action="store_true",
@@ -52,26 +86,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Pollux traces)")
 
 
+def _profile(args: argparse.Namespace) -> ProfileConfig | None:
+    fields = {"seconds": args.profile_seconds, "max_replicas": args.profile_max_replicas,
+              "ladder": args.profile_counts}
+    if not args.profile_on_arrival:
+        extra = [k for k, v in fields.items() if v is not None]
+        if extra:
+            flag = {"seconds": "--profile-seconds", "max_replicas": "--profile-max-replicas",
+                    "ladder": "--profile-counts"}[extra[0]]
+            raise ValueError(f"{flag} needs --profile-on-arrival")
+        return None
+    return ProfileConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
 def run(args: argparse.Namespace) -> int:
+    generated = None
     try:
+        if (args.workload is None) == (args.scenario is None):
+            raise ValueError("give exactly one of --workload FILE and --scenario NAME")
+        if args.scenario_jobs is not None and args.scenario is None:
+            raise ValueError("--scenario-jobs needs --scenario")
+        models_dir = args.models_dir or MODELS_DIR
+        admission = admission_from_args(args)
+        horizon = args.horizon
+        if args.scenario is not None:
+            generated = generate_workload(
+                args.scenario, gpus=args.nodes * args.gpus_per_node, seed=args.seed,
+                jobs=args.scenario_jobs, models_dir=models_dir)
+            horizon = generated.horizon if horizon is None else horizon
         cfg = config_for(args.rescale_model, load_rescale_cost(args.rescale_calibration),
                          args.interval, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                         realloc_delay=args.realloc_delay, interference=args.interference)
-        result = run_workload(args.workload, args.policy, cfg, seed=args.seed,
-                              progress=not args.no_progress,
-                              options={"p": args.fairness},
-                              models_dir=args.models_dir or MODELS_DIR)
+                         realloc_delay=args.realloc_delay, interference=args.interference,
+                         admission=admission, horizon=horizon, profile=_profile(args))
+        run_kw = {"seed": args.seed, "progress": not args.no_progress,
+                  "options": {"p": args.fairness}, "models_dir": models_dir}
+        if generated is not None:
+            result = run_specs(generated.specs, args.policy, cfg, **run_kw)
+        else:
+            result = run_workload(args.workload, args.policy, cfg, **run_kw)
     except ValueError as exc:  # bad input: one line, no traceback
         print(f"pollux-run simulate: error: {exc}", file=sys.stderr)
         return 2
     summary = result.summary()
-    summary["workload"] = str(args.workload)
+    workload = (str(args.workload) if generated is None
+                else f"scenario:{generated.scenario}:seed{generated.seed}")
+    summary["workload"] = workload
+    if generated is not None:
+        summary["scenario"] = generated.info()
     if args.output:
         from pollux_launch.sim.plots import plot_jct_cdf, plot_timeline
 
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
-        full = {**result.to_json(), "workload": str(args.workload)}
+        if generated is not None:
+            write_workload(generated.specs, out / "workload.csv")
+        full = {**result.to_json(), "workload": workload}
         (out / "summary.json").write_text(json.dumps(full, indent=1))
         plot_jct_cdf([result], out / "jct_cdf.png")
         plot_timeline([result], out / "timeline.png")
@@ -89,8 +158,21 @@ def _print_human(result, summary: dict) -> None:
     for name, jct in sorted(result.jcts.items(), key=lambda kv: result.submit[kv[0]]):
         print(f"{name:<20} {result.application[name]:<12} {result.submit[name]:>10.0f} "
               f"{jct:>10.0f} {result.restarts[name]:>8d}")
-    print(f"policy {summary['policy']}: {summary['jobs']} jobs, avg JCT "
-          f"{summary['avg_jct']:.0f} s, p99 JCT {summary['p99_jct']:.0f} s, makespan "
-          f"{summary['makespan']:.0f} s, GPU utilisation {summary['avg_gpu_utilization']:.0%}, "
-          f"{summary['rounds']} rounds, solve {summary['solve_ms_median']:.1f} ms median / "
-          f"{summary['solve_ms_p95']:.1f} ms p95, simulated in {summary['sim_wall_s']:.1f} s")
+    for name, when in sorted(result.dropped.items(), key=lambda kv: kv[1]):
+        print(f"{name:<20} {result.application[name]:<12} {result.submit[name]:>10.0f} "
+              f"{'dropped':>10} at {when:.0f} s: {result.drop_reasons.get(name, '')}")
+    if summary["avg_jct"] is None:
+        print(f"policy {summary['policy']}: {summary['jobs']} jobs, none completed")
+    else:
+        print(f"policy {summary['policy']}: {summary['jobs']} jobs, avg JCT "
+              f"{summary['avg_jct']:.0f} s, p99 JCT {summary['p99_jct']:.0f} s, makespan "
+              f"{summary['makespan']:.0f} s, GPU utilisation "
+              f"{summary['avg_gpu_utilization']:.0%}, {summary['rounds']} rounds, solve "
+              f"{summary['solve_ms_median']:.1f} ms median / {summary['solve_ms_p95']:.1f} ms "
+              f"p95, simulated in {summary['sim_wall_s']:.1f} s")
+    if summary["admission"] != "none" or summary["horizon"] is not None:
+        until = "" if summary["horizon"] is None else f" by {summary['horizon']:.0f} s"
+        print(f"admission {summary['admission']}: {summary['arrived']} arrived, "
+              f"{summary['completed']} completed{until}, {summary['dropped']} dropped "
+              f"({summary['drop_ratio']:.0%}), {summary['unfinished']} unfinished, mean "
+              f"queueing delay {summary['avg_queue_delay']:.0f} s")

@@ -19,6 +19,8 @@ def plot_jct_cdf(results: Sequence[SimResult], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for res in results:
         jct = np.sort(np.array(list(res.jcts.values()), dtype=float)) / 3600.0
+        if not jct.size:  # nothing completed (e.g. a short horizon)
+            continue
         ax.step(jct, np.arange(1, jct.size + 1) / jct.size, where="post",
                 label=f"{res.policy} (avg {jct.mean():.2f} h)")
     ax.set_xscale("log")

@@ -23,6 +23,15 @@ itself (theirs to 0.25 x speedup: no measurable effect on workload 7); epoch end
 not rounded to whole seconds (theirs are: noise, not bias); the default engine is the
 exact DP, not their genetic algorithm (whose repair order therefore does not apply).
 
+Beyond the authors' simulator (all off by default, leaving results unchanged):
+admission control in front of the policy (``SimConfig.admission``: Saxena et al.'s
+queue / drop, :mod:`pollux_launch.policy.admission`), a horizon at which the run stops
+(``SimConfig.horizon``; summaries count jobs completed by then, drops, queueing delay),
+each job's batch-size range and GPU cap from the workload (:class:`SimJob`), every job's
+batch fixed at its maximum (``SimConfig.fixed_max_batch``: the ``max-bs`` baseline), a
+throughput model per job for throughput-maximising policies (``JobInfo.throughput_fn``),
+and profiling on arrival (:class:`ProfileConfig`).
+
 What a job *knows* is what a real Pollux agent would know: the (nodes, replicas,
 per-GPU batch) configurations it has run and their measured step/sync times (refit
 with ``fit_perf_params``, warm-started from its previous fit, before each round in
@@ -52,7 +61,9 @@ from pollux_launch.goodput import (
     SpeedupFunction,
     fit_perf_params,
 )
+from pollux_launch.goodput.capacity import ThroughputFunction
 from pollux_launch.policy import JobInfo, Policy, PolicyNode
+from pollux_launch.policy.admission import AdmissionConfig, Candidate, decide_admission
 from pollux_launch.policy.rescale_cost import (
     DEFAULT_STATE_BYTES,
     RESCALE_MODELS,
@@ -67,6 +78,45 @@ from pollux_launch.sim.traces import (
 from pollux_launch.sim.workload import JobSpec
 
 EPS = 1e-8  # tolerance of ceil() on batch-size ratios
+
+
+PROFILE_LADDERS = ("doubling", "ends")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Profile on arrival (as Saxena et al.'s job scalability analyser and Sia's
+    bootstrapping do): before a new job competes it trains ``seconds`` (simulated, not
+    counting rescale stalls) on each of a few GPU counts up to ``top`` = its own limit,
+    at most ``max_replicas``: 1, 2, 4, ... then ``top`` (``ladder="doubling"``) or 1
+    then ``top`` (``"ends"``). Meanwhile it tells the policy a linear speedup capped at
+    the count being profiled, so that the policy gives it that count (a policy may give
+    fewer on a full cluster: the job then profiles what it got). What it measures seeds
+    its throughput model; afterwards it competes with that model and Pollux's
+    exploration cap (2x the most GPUs it has run on). Its profiling steps are real
+    training: they make progress, occupy the GPUs the policy gave it, and pay for each
+    rescale as any change does."""
+
+    seconds: float = 60.0
+    max_replicas: int = 8
+    ladder: str = "doubling"
+
+    def __post_init__(self):
+        if not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"profile seconds must be > 0, got {self.seconds}")
+        if isinstance(self.max_replicas, bool) or not int(self.max_replicas) >= 1:
+            raise ValueError(f"profile max replicas must be >= 1, got {self.max_replicas}")
+        if self.ladder not in PROFILE_LADDERS:
+            raise ValueError(f"profile ladder must be one of {', '.join(PROFILE_LADDERS)}, "
+                             f"got {self.ladder!r}")
+
+    def counts(self, cap: int) -> list[int]:
+        """GPU counts profiled by a job that may use ``cap`` (see the class doc)."""
+        top = max(1, min(int(cap), int(self.max_replicas)))
+        if self.ladder == "ends":
+            return [1, top] if top > 1 else [1]
+        out = [1 << i for i in range(top.bit_length()) if (1 << i) < top]
+        return [*out, top]
 
 
 @dataclass(frozen=True)
@@ -85,6 +135,14 @@ class SimConfig:
     # GPU above M0; False, pollux-launch's agent, which needs none (GoodputFunction)
     single_replica_accumulation: bool = True
     max_time: float = 60 * 86400.0  # give up (error) past this much simulated time
+    # which arrived jobs compete (Saxena et al.'s autoscaler): none admits every job at
+    # arrival (Pollux, today's behaviour); queue / drop as in policy.admission
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # stop at this simulated time (seconds); summaries count jobs completed by then
+    horizon: float | None = None
+    # max-bs: every adaptive job trains at its largest batch size (the range's top)
+    fixed_max_batch: bool = False
+    profile: ProfileConfig | None = None  # profile on arrival (None: Pollux's exploration)
 
     def __post_init__(self):
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -98,6 +156,10 @@ class SimConfig:
         if self.rescale_model not in RESCALE_MODELS:
             raise ValueError(f"unknown rescale model {self.rescale_model!r}; choose one of "
                              f"{', '.join(RESCALE_MODELS)}")
+        if not isinstance(self.admission, AdmissionConfig):
+            raise ValueError(f"admission must be an AdmissionConfig, got {self.admission!r}")
+        if self.horizon is not None and not (self.horizon > 0 and math.isfinite(self.horizon)):
+            raise ValueError(f"horizon must be > 0 seconds, got {self.horizon}")
 
     @property
     def rescale_cost(self) -> RescaleCost:
@@ -118,19 +180,58 @@ def _linear_speedup(num_nodes, num_replicas):
     return np.asarray(num_replicas, dtype=float)
 
 
+def batch_range(spec: JobSpec, trace: ModelTrace) -> tuple[int, int]:
+    """The job's range of total batch sizes: its workload's, defaulting to the model's
+    (M0 to its largest validated batch). ValueError (one line) when the range leaves what
+    the traces measured: there are no gradient statistics outside it."""
+    m0, top = trace.init_batch_size, trace.max_batch_size
+    lo = m0 if spec.min_batch_size is None else int(spec.min_batch_size)
+    hi = top if spec.max_batch_size is None else int(spec.max_batch_size)
+    if not m0 <= lo <= hi <= top:
+        raise ValueError(f"job {spec.name}: batch-size range [{lo}, {hi}] must lie within "
+                         f"[{m0}, {top}], the batch sizes the {trace.name} traces measured")
+    return lo, hi
+
+
 class SimJob:
-    """One job: its true state in the simulated world and its agent's learned model."""
+    """One job: its true state in the simulated world and its agent's learned model.
+
+    An adaptive job trains at the total batch size its agent finds best (goodput, Eqn 13)
+    within its range ``[min_batch, max_batch]`` (workload columns ``min_batch_size`` /
+    ``max_batch_size``, default the model's), on at most ``max_replicas`` GPUs (column
+    ``max_replicas``); with ``SimConfig.fixed_max_batch`` (max-bs) it trains at
+    ``max_batch`` whatever its GPUs. ncf keeps the authors' pinning (32768 on one GPU)
+    unless its row sets a limit.
+    """
 
     def __init__(self, spec: JobSpec, trace: ModelTrace, cfg: SimConfig, index: int):
         self.spec, self.trace, self.cfg, self.index = spec, trace, cfg, index
         self.name = spec.name
-        pinned = PINNED_BATCH_SIZE.get(trace.name)
+        self.min_batch, self.max_batch = trace.init_batch_size, trace.max_batch_size
+        self.user_cap: int | None = None  # the workload's max_replicas
         if cfg.adaptive:
+            limited = any(v is not None for v in (spec.min_batch_size, spec.max_batch_size,
+                                                  spec.max_replicas))
+            self.min_batch, self.max_batch = batch_range(spec, trace)
+            pinned = None if limited else PINNED_BATCH_SIZE.get(trace.name)
+            if pinned is None and (cfg.fixed_max_batch or trace.init_batch_size
+                                   < self.min_batch == self.max_batch):
+                pinned = self.max_batch  # (a one-batch range above M0: that batch)
             self.fixed_batch = pinned
-            self.replica_cap = PINNED_MAX_REPLICAS.get(trace.name)
+            self.replica_cap = None if limited else PINNED_MAX_REPLICAS.get(trace.name)
+            self.user_cap = spec.max_replicas
         else:
             self.fixed_batch = spec.batch_size
             self.replica_cap = spec.num_replicas
+        # the range's lower end, for the goodput search (M0 is its lower end already)
+        self._min_kw = ({"min_batch_size": self.min_batch}
+                        if self.min_batch > trace.init_batch_size else {})
+        # admission: GPUs the job needs to run (a TunedJobs job: its gang); the policy is
+        # told it as min_replicas once admitted when admission control is on
+        self.need = int(spec.num_replicas) if not cfg.adaptive else 1
+        self.min_replicas = 0
+        self.profile_plan: list[int] = []  # GPU counts still to profile (profile on arrival)
+        self.profile_clock = 0.0  # seconds trained on the current one
         # true state
         self.alloc = np.zeros(cfg.nodes, dtype=int)
         self.placement: tuple[int, ...] = ()
@@ -153,6 +254,8 @@ class SimJob:
         self._stale = False
         self._speedup_key = None
         self._speedup_fn = _linear_speedup
+        self._throughput_key = None
+        self._throughput_fn: ThroughputFunction | None = None
         self._grids: GridCache = {}  # candidate (m, s) grids: shared by all this job's fits
 
     # --- agent side ---------------------------------------------------------------------
@@ -193,34 +296,69 @@ class SimJob:
                                single_replica_accumulation=self.cfg.single_replica_accumulation)
 
     def speedup_fn(self):
-        """The job's current speedup function (cached until its model changes)."""
-        if self.perf_params is None:
+        """The job's current speedup function (cached until its model changes); linear
+        while it has no model or is still profiling."""
+        if self.perf_params is None or self.profile_plan:
             return _linear_speedup
         key = (id(self.perf_params), self.grad_params)
         if key != self._speedup_key:
             self._speedup_key = key
             self._speedup_fn = SpeedupFunction(
-                self.goodput_fn(), self.trace.max_batch_size, self.bsz_bounds,
-                True, fixed_batch_size=self.fixed_batch)
+                self.goodput_fn(), self.max_batch, self.bsz_bounds,
+                True, fixed_batch_size=self.fixed_batch, **self._min_kw)
         return self._speedup_fn
 
-    def max_replicas(self) -> int:
-        """Most GPUs the policy may give: the exploration cap and the model's limits."""
+    def throughput_fn(self) -> ThroughputFunction | None:
+        """Samples/s at the best batch in the job's range (at its fixed batch, if any) from
+        its fitted throughput model, for throughput-maximising policies (saxena-dp);
+        None while it has no model or is still profiling."""
+        if self.perf_params is None or self.profile_plan or not self.cfg.adaptive:
+            return None
+        if id(self.perf_params) != self._throughput_key:
+            self._throughput_key = id(self.perf_params)
+            self._throughput_fn = ThroughputFunction(
+                self.perf_params, min_batch_size=self.min_batch,
+                max_batch_size=self.max_batch, local_bsz_bounds=self.bsz_bounds,
+                accumulation=True, fixed_batch_size=self.fixed_batch)
+        return self._throughput_fn
+
+    def limit(self) -> int:
+        """Most GPUs the job can ever use: its cap, the traces, the cluster, its batch."""
         if self.replica_cap is not None:
             return int(self.replica_cap)
+        return int(min(self.user_cap or self.cfg.total_gpus, self.trace.max_replicas,
+                       self.cfg.total_gpus, self.max_batch // self.trace.min_local_bsz))
+
+    def max_replicas(self) -> int:
+        """Most GPUs the policy may give: the exploration cap (or the count being
+        profiled) and the job's limits."""
+        if self.replica_cap is not None:
+            return int(self.replica_cap)
+        if self.profile_plan:
+            return min(self.profile_plan[0], self.limit())
         cap = max(2 * self.max_seen_replicas, 1)  # exploration cap (Pollux Sec. 4.1)
-        return int(min(cap, self.trace.max_replicas, self.cfg.total_gpus,
-                       self.trace.max_batch_size // self.trace.min_local_bsz))
+        return min(cap, self.limit())
+
+    def start_profile(self, profile: ProfileConfig | None) -> None:
+        """On arrival: plan the GPU counts to profile (adaptive jobs without a pinned
+        count only)."""
+        if profile is not None and self.cfg.adaptive and self.replica_cap is None:
+            self.profile_plan = profile.counts(self.limit())
+            self.profile_clock = 0.0
 
     def job_info(self, now: float) -> JobInfo:
+        if self.profile_plan and self.profile_clock >= self.cfg.profile.seconds - EPS:
+            self.profile_plan.pop(0)  # this count is profiled: on to the next
+            self.profile_clock = 0.0
         if self.cfg.adaptive:  # TunedJobs never use a model: save the fit
             self.refit()
         delay = self.cfg.rescale_cost.expected_stall(
             self.cfg.rescale_model, self.state_bytes, max(1, sum(self.placement)))
         return JobInfo(name=self.name, speedup_fn=self.speedup_fn(),
                        age=now - self.spec.submit_time, restarts=self.restarts or 0,
-                       min_replicas=0, max_replicas=self.max_replicas(), preemptible=True,
-                       realloc_delay=delay)
+                       min_replicas=self.min_replicas, max_replicas=self.max_replicas(),
+                       preemptible=True, realloc_delay=delay,
+                       throughput_fn=self.throughput_fn())
 
     def choose_batch(self) -> None:
         """Pick (per-GPU batch m, accumulation steps s) for the current placement."""
@@ -229,13 +367,17 @@ class SimJob:
         tr = self.trace
         nodes, replicas = len(self.placement), sum(self.placement)
         batch = self.fixed_batch
+        smallest = min(max(self.min_batch, tr.min_local_bsz * replicas), self.max_batch)
         if batch is None and self.perf_params is None:  # no model yet: smallest batch
-            batch = max(tr.init_batch_size, tr.min_local_bsz * replicas)
+            batch = smallest
         if batch is None:
             _, atomic, accum = self.goodput_fn().optimize(
-                nodes, replicas, tr.max_batch_size, self.bsz_bounds, accumulation=True)
+                nodes, replicas, self.max_batch, self.bsz_bounds, accumulation=True,
+                **self._min_kw)
             atomic, accum = int(atomic), int(accum)
-        else:
+            if atomic == 0:  # no (m, s) lands in the range exactly: its smallest batch
+                batch = smallest
+        if batch is not None:
             local = math.ceil(batch / replicas - EPS)
             accum = math.ceil(local / tr.max_local_bsz - EPS) - 1
             if (self.cfg.single_replica_accumulation and replicas == 1
@@ -243,7 +385,7 @@ class SimJob:
                 accum = max(1, accum)  # the Pollux agent's >= 2 micro-batches for stats
             atomic = math.ceil(local / (accum + 1) - EPS)
         count = replicas * (accum + 1)
-        self.atomic_bsz = max(1, min(atomic, tr.max_batch_size // count))
+        self.atomic_bsz = max(1, min(atomic, self.max_batch // count))
         self.accum_steps = accum
 
     # --- true dynamics -------------------------------------------------------------------
@@ -290,6 +432,8 @@ class SimJob:
         self.rescale_left -= delay
         self.attained_service += delay * gpus
         left -= delay
+        if self.profile_plan:
+            self.profile_clock += left  # trained on the count being profiled
         if self._train(start + seconds - left, left, interference, None):
             return
         if self.fixed_batch is None and self.cfg.adaptive and self.perf_params is not None:
@@ -352,28 +496,68 @@ class SimResult:
     application: dict[str, str]
     restarts: dict[str, int]
     max_gpus: dict[str, int] = field(default_factory=dict)  # most GPUs each job ever held
+    admitted: dict[str, float] = field(default_factory=dict)  # name -> time it was admitted
+    dropped: dict[str, float] = field(default_factory=dict)  # name -> time it was dropped
+    drop_reasons: dict[str, str] = field(default_factory=dict)  # name -> one line
     times: list[float] = field(default_factory=list)  # one entry per scheduling round
     allocated_gpus: list[int] = field(default_factory=list)
-    active_jobs: list[int] = field(default_factory=list)
+    active_jobs: list[int] = field(default_factory=list)  # admitted, unfinished
+    waiting_jobs: list[int] = field(default_factory=list)  # arrived, not admitted yet
     avg_efficiency: list[float] = field(default_factory=list)
     solve_ms: list[float] = field(default_factory=list)
+    end_time: float = 0.0  # simulated time when the run ended
     wall_s: float = 0.0
 
     @property
     def jcts(self) -> dict[str, float]:
         return {k: self.completion[k] - self.submit[k] for k in self.completion}
 
-    def summary(self) -> dict:
+    def admission_summary(self, horizon: float | None = None) -> dict:
+        """Counts up to ``horizon`` (default the config's; None: the whole run): jobs
+        arrived, admitted, completed, dropped and still unfinished; drop ratio (dropped /
+        arrived); mean queueing delay (admission - arrival) of admitted jobs; avg JCT of
+        completed jobs (completion - arrival, queueing included)."""
+        h = self.config.horizon if horizon is None else horizon
+
+        def by(table: dict[str, float]) -> dict[str, float]:
+            return {k: t for k, t in table.items() if h is None or t <= h}
+
+        arrived, admitted, dropped = by(self.submit), by(self.admitted), by(self.dropped)
+        done = by(self.completion)
+        queued = [t - self.submit[k] for k, t in admitted.items()]
+        jct = [t - self.submit[k] for k, t in done.items()]
+        adm = self.config.admission
+        return {
+            "admission": adm.mode,
+            "max_wait": adm.max_wait,
+            "max_running": adm.max_running,
+            "horizon": h,
+            "arrived": len(arrived),
+            "admitted": len(admitted),
+            "completed": len(done),
+            "dropped": len(dropped),
+            "unfinished": len(arrived) - len(done) - len(dropped),
+            "drop_ratio": len(dropped) / len(arrived) if arrived else 0.0,
+            "avg_queue_delay": float(np.mean(queued)) if queued else 0.0,
+            "avg_jct_completed": float(np.mean(jct)) if jct else None,
+            "profile_on_arrival": self.config.profile is not None,
+        }
+
+    def summary(self, horizon: float | None = None) -> dict:
+        """The run's figures; the admission ones (:meth:`admission_summary`) count up to
+        ``horizon`` (default the config's)."""
         jct = np.array(list(self.jcts.values()), dtype=float)
         solve = np.array(self.solve_ms, dtype=float)
         total = self.config.total_gpus
         util = np.array(self.allocated_gpus, dtype=float) / total
+        some = jct.size > 0
         return {
             "policy": self.policy,
             "jobs": len(self.submit),
-            "avg_jct": float(jct.mean()),
-            "p99_jct": float(np.percentile(jct, 99)),
-            "makespan": float(max(self.completion.values()) - min(self.submit.values())),
+            "avg_jct": float(jct.mean()) if some else None,
+            "p99_jct": float(np.percentile(jct, 99)) if some else None,
+            "makespan": (float(max(self.completion.values()) - min(self.submit.values()))
+                         if some else None),
             "rounds": len(self.solve_ms),
             "solve_ms_median": float(np.median(solve)) if solve.size else 0.0,
             "solve_ms_p95": float(np.percentile(solve, 95)) if solve.size else 0.0,
@@ -384,6 +568,7 @@ class SimResult:
             "interval": self.config.interval,
             "rescale_model": self.config.rescale_model,
             "realloc_delay": self.config.realloc_delay,
+            **self.admission_summary(horizon),
             "sim_wall_s": round(self.wall_s, 3),
         }
 
@@ -391,10 +576,13 @@ class SimResult:
         """Summary plus per-job JCTs and the per-round timeline (for summary.json)."""
         out = self.summary()
         out["jcts"] = self.jcts
+        out["queue_delays"] = {k: t - self.submit[k] for k, t in self.admitted.items()}
+        out["drops"] = {k: {"time": t, "reason": self.drop_reasons.get(k, "")}
+                        for k, t in self.dropped.items()}
         out["timeline"] = {
             "time": self.times, "allocated_gpus": self.allocated_gpus,
             "gpu_utilization": [g / self.config.total_gpus for g in self.allocated_gpus],
-            "active_jobs": self.active_jobs,
+            "active_jobs": self.active_jobs, "waiting_jobs": self.waiting_jobs,
             "avg_efficiency": [None if math.isnan(e) else e for e in self.avg_efficiency],
             "solve_ms": self.solve_ms,
         }
@@ -422,7 +610,15 @@ def simulate(
     progress: bool = False,
     clock: Callable[[], float] = time.perf_counter,
 ) -> SimResult:
-    """Run ``specs`` on a ``cfg`` cluster scheduled by ``policy`` until every job is done."""
+    """Run ``specs`` on a ``cfg`` cluster scheduled by ``policy`` until every job is done
+    or dropped, or until ``cfg.horizon``.
+
+    Each round, the jobs that have arrived and are not admitted yet go through admission
+    control (:func:`pollux_launch.policy.admission.decide_admission`, capacity: the
+    cluster's GPUs; a job needs 1 GPU, a TunedJobs job its gang): the policy allocates to
+    admitted jobs only, and a dropped job never runs. With ``admission`` on, an admitted
+    job is the policy's ``min_replicas`` = what it needs (admission promised it that).
+    """
     if not specs:
         raise ValueError("the workload has no jobs")
     if not cfg.adaptive:
@@ -443,12 +639,16 @@ def simulate(
                        restarts={})
     pending = sorted(jobs, key=lambda j: (j.spec.submit_time, j.index))
     active: list[SimJob] = []
+    waiting: list[SimJob] = []  # arrived, not admitted (yet)
     now, nxt = 0.0, 0
     bar = tqdm(total=len(jobs), desc=f"simulate {result.policy}", unit="job",
                file=sys.stderr, disable=not progress, mininterval=0.5, leave=False)
     try:
-        while len(result.completion) < len(jobs):
-            if not active and nxt < len(pending):  # idle cluster: skip to the next arrival
+        while len(result.completion) + len(result.dropped) < len(jobs):
+            if cfg.horizon is not None and now >= cfg.horizon:
+                break
+            if not active and not waiting and nxt < len(pending):
+                # idle cluster: skip to the next arrival
                 # Rounds stay on the k * interval grid (k >= 1), as in the authors' simulator.
                 first = pending[nxt].spec.submit_time
                 k = max(1, math.ceil(first / cfg.interval - EPS))
@@ -459,8 +659,9 @@ def simulate(
                     job.advance(now, cfg.interval, cfg.interference if job.index in hit else 0)
                 now += cfg.interval
             if now > cfg.max_time:
-                raise RuntimeError(f"simulation passed {cfg.max_time:.0f} s with "
-                                   f"{len(jobs) - len(result.completion)} jobs unfinished")
+                left = len(jobs) - len(result.completion) - len(result.dropped)
+                raise RuntimeError(f"simulation passed {cfg.max_time:.0f} s with {left} jobs "
+                                   "unfinished")
             done = [j for j in active if j.completion_time is not None]
             for job in done:
                 result.completion[job.name] = job.completion_time
@@ -469,8 +670,12 @@ def simulate(
                 bar.update(len(done))
                 active = [j for j in active if j.completion_time is None]
             while nxt < len(pending) and pending[nxt].spec.submit_time <= now:
-                active.append(pending[nxt])
+                waiting.append(pending[nxt])
                 nxt += 1
+            if waiting:
+                waiting = _admit(waiting, active, cfg, now, result)
+                if len(result.dropped) + len(result.completion) > bar.n:
+                    bar.update(len(result.dropped) + len(result.completion) - bar.n)
             if not active:
                 continue
             infos = [j.job_info(now) for j in active]
@@ -489,12 +694,43 @@ def simulate(
             result.times.append(now)
             result.allocated_gpus.append(int(alloc.sum()))
             result.active_jobs.append(len(active))
+            result.waiting_jobs.append(len(waiting))
             result.avg_efficiency.append(float(np.mean(eff)) if eff else float("nan"))
-            bar.set_postfix_str(f"t={now / 3600:.1f}h active={len(active)}", refresh=False)
+            bar.set_postfix_str(f"t={now / 3600:.1f}h active={len(active)}"
+                                + (f" waiting={len(waiting)}" if waiting else ""),
+                                refresh=False)
     finally:
         bar.close()
+    result.end_time = now
     result.wall_s = clock() - t_wall
     return result
+
+
+def _admit(waiting: list[SimJob], active: list[SimJob], cfg: SimConfig, now: float,
+           result: SimResult) -> list[SimJob]:
+    """Admission control of one round: admitted jobs join ``active`` (in arrival order),
+    dropped ones are recorded with their reason; returns the jobs still waiting."""
+    adm = cfg.admission
+    if not adm.enabled:  # Pollux: every arrived job competes at once
+        admit, dropped, keep = waiting, {}, []
+    else:
+        decision = decide_admission(
+            adm, [Candidate(j.name, j.spec.submit_time, j.need) for j in waiting],
+            [Candidate(j.name, j.spec.submit_time, j.need) for j in active],
+            cfg.total_gpus, now)
+        names, dropped = set(decision.admit), dict(decision.drop)
+        admit = [j for j in waiting if j.name in names]
+        keep = [j for j in waiting if j.name not in names and j.name not in dropped]
+    for job in admit:
+        result.admitted[job.name] = now
+        if adm.enabled:
+            job.min_replicas = job.need
+        job.start_profile(cfg.profile)
+        active.append(job)
+    for name, reason in dropped.items():
+        result.dropped[name] = now
+        result.drop_reasons[name] = reason
+    return keep
 
 
 def _check(alloc: np.ndarray, shape, cfg: SimConfig, infos: Sequence[JobInfo]) -> None:

@@ -148,3 +148,29 @@ def test_an_admitted_job_that_the_policy_gives_nothing_yet_stays_admitted(tmp_pa
         coord.schedule_once()
         assert _status(store, "a").state == "pending"  # not rejected: it was admitted
         assert _status(store, "b").state == "rejected"
+
+
+def test_saxena_dp_in_the_coordinator_gives_every_admitted_job_a_gpu(tmp_path):
+    """The coordinator builds each job's throughput function from its hints (within its
+    batch-size range) for saxena-dp; with queueing, every admitted job runs."""
+    from pollux_launch.messages import JobHints
+
+    perf = dict(alpha_grad=0.01, beta_grad=0.001, alpha_local=0.01, beta_local=0.001,
+                alpha_node=0.02, beta_node=0.001, gamma=1.5)
+    with open_store(f"embedded://{tmp_path}/store.db") as store:
+        store.put(keys.node("n1"), encode(NodeInfo("n1", 4)))
+        for i, name in enumerate(["a", "b", "c", "d", "e"]):
+            spec = JobSpec(name=name, command=("python", "t.py"), initial_replicas=1,
+                           min_replicas=1, max_replicas=4, submit_time=900.0 + i)
+            store.put(keys.job(name, "spec"), encode(spec))
+            store.put(keys.job(name, "status"), encode(JobStatus("pending")))
+            store.put(keys.job(name, "hints"), encode(JobHints(
+                init_batch_size=32, max_batch_size=512, min_batch_size=64,
+                local_bsz_bounds=(8, 128), perf_params=perf, grad_sqr=1.0, grad_var=1.0,
+                max_profiled_replicas=4, max_profiled_nodes=1, timestamp=1.0 + i)))
+        coord = Coordinator(store, make_policy("saxena-dp"), admission=AdmissionConfig("queue"))
+        writes = coord.schedule_once()
+        assert sorted(writes) == ["a", "b", "c", "d"]  # 4 GPUs: 4 jobs admitted
+        assert all(w.num_replicas == 1 for w in writes.values())
+        assert _status(store, "e").state == "queued"
+        assert coord._memo["a"][2] is not None  # its throughput function, from the hints
