@@ -113,3 +113,52 @@ def admission_from_args(ns: argparse.Namespace):  # -> AdmissionConfig
         return AdmissionConfig(ns.admission, ns.max_wait, ns.max_running)
     except ValueError as exc:
         raise OptionsError(str(exc)) from None
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` nodes of an autoscaled cluster."""
+    lo, sep, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be MIN:MAX node counts, e.g. 1:16"
+                                         ) from None
+    if not sep or not 0 <= low <= high or high < 1 or high > 100_000:
+        raise argparse.ArgumentTypeError(f"{text!r} must be MIN:MAX with 0 <= MIN <= MAX, "
+                                         "1 <= MAX <= 100000")
+    return low, high
+
+
+def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--autoscale MIN:MAX`` and its knobs: the coordinator's and the simulator's
+    cluster autoscaler (``pollux_launch.policy.autoscale``)."""
+    parser.add_argument("--autoscale", type=node_range, default=None, metavar="MIN:MAX",
+                        help="grow and shrink the cluster between MIN and MAX nodes by "
+                        "Pollux's utility rule (default: a fixed cluster)")
+    parser.add_argument("--utility-high", type=float, default=2 / 3, metavar="U",
+                        help="grow when the utility is above U (default 2/3)")
+    parser.add_argument("--utility-low", type=float, default=0.5, metavar="L",
+                        help="...to the size whose utility is about L; shrink below L "
+                        "(default 1/2)")
+    parser.add_argument("--scale-interval", type=seconds, default=60.0, metavar="S",
+                        help="seconds between autoscaling decisions (default 60)")
+    parser.add_argument("--min-node-lifetime", type=seconds_or_zero, default=300.0,
+                        metavar="S", help="seconds a node stays before it may be released "
+                        "(default 300)")
+    parser.add_argument("--autoscale-rule", default="goodput", choices=("goodput", "throughput"),
+                        help="goodput: Pollux's utility; throughput: the same rule blind to "
+                        "statistical efficiency (Or et al.'s baseline)")
+
+
+def autoscale_from_args(ns: argparse.Namespace):  # -> AutoscaleConfig | None
+    """The autoscaler's configuration of parsed arguments (None without --autoscale)."""
+    from .policy.autoscale import AutoscaleConfig
+
+    if ns.autoscale is None:
+        return None
+    try:
+        return AutoscaleConfig(ns.autoscale[0], ns.autoscale[1], ns.utility_high,
+                               ns.utility_low, ns.scale_interval, ns.min_node_lifetime,
+                               ns.autoscale_rule)
+    except ValueError as exc:
+        raise OptionsError(str(exc)) from None

@@ -1,0 +1,104 @@
+"""Goodput-driven cluster autoscaling (Pollux Sec. 4.2.2 and 5.3.3). Pure.
+
+The *utility* of an allocation ``A`` is the speedup it buys per GPU:
+
+    UTILITY(A) = sum_j SPEEDUP_j(A_j) / sum_j |A_j|
+
+with each job's speedup relative to one GPU (a perfectly scalable job scores 1). For one
+job it is ``GOODPUT(a) / (SUM(a) * GOODPUT(1 GPU))``: its goodput as a fraction of the
+ideal. Because statistical efficiency rises as training goes on, utility rises too, and
+a larger cluster starts to pay.
+
+The rule: each decision, with the allocation the scheduling policy would pick on ``n``
+nodes (``utility_at(n)``), a cluster whose utility is above ``high`` (U = 2/3) grows to
+the largest size whose predicted utility is still at least ``low`` (L = 1/2); one below
+``low`` shrinks to the largest size whose utility reaches ``low``. Between the two it
+stays: the band is the hysteresis (the coordinator adds a minimum node lifetime).
+
+``rule="throughput"`` is the baseline (Or et al., MLSys'20): the same rule on speedups of
+system throughput alone, blind to statistical efficiency (the caller builds the jobs'
+speedups that way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import JobInfo
+
+RULES = ("goodput", "throughput")
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """``min_nodes``..``max_nodes``: the cluster's bounds; ``high``/``low``: U and L;
+    ``interval``: seconds between decisions; ``min_lifetime``: seconds a node stays
+    before it may be released; ``rule``: one of RULES."""
+
+    min_nodes: int
+    max_nodes: int
+    high: float = 2 / 3
+    low: float = 1 / 2
+    interval: float = 60.0
+    min_lifetime: float = 300.0
+    rule: str = "goodput"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_nodes <= self.max_nodes or self.max_nodes < 1:
+            raise ValueError(f"--autoscale MIN:MAX needs 0 <= MIN <= MAX and MAX >= 1, got "
+                             f"{self.min_nodes}:{self.max_nodes}")
+        if not 0 < self.low < self.high <= 1:
+            raise ValueError(f"need 0 < --utility-low ({self.low:g}) < --utility-high "
+                             f"({self.high:g}) <= 1")
+        if not self.interval > 0 or not self.min_lifetime >= 0:
+            raise ValueError("the scale interval must be > 0 and the node lifetime >= 0 s")
+        if self.rule not in RULES:
+            raise ValueError(f"autoscale rule must be one of {', '.join(RULES)}, got "
+                             f"{self.rule!r}")
+
+
+def utility(jobs: Sequence[JobInfo], alloc: np.ndarray) -> float:
+    """UTILITY(A) (module docstring): ``alloc`` is jobs x nodes; 0 for an empty one."""
+    alloc = np.asarray(alloc)
+    gpus = int(alloc.sum())
+    if gpus == 0:
+        return 0.0
+    total = 0.0
+    for job, row in zip(jobs, alloc, strict=True):
+        k = int(row.sum())
+        if k == 0:
+            continue
+        n = int(np.count_nonzero(row))
+        one = float(job.speedup_fn(np.array([1]), np.array([1]))[0])
+        here = float(job.speedup_fn(np.array([n]), np.array([k]))[0])
+        if one > 0 and np.isfinite(here):
+            total += here / one
+    return total / gpus
+
+
+def target_nodes(cfg: AutoscaleConfig, utility_at: Callable[[int], float], current: int,
+                 has_work: bool = True) -> tuple[int, float]:
+    """The cluster size to move to, and the utility now (module docstring).
+    ``utility_at(n)``: the utility of the policy's allocation on ``n`` nodes;
+    ``has_work``: some job is waiting or running (else the cluster shrinks to its
+    minimum)."""
+    if not has_work:
+        return cfg.min_nodes, 0.0
+    current = min(max(current, cfg.min_nodes), cfg.max_nodes)
+    now = utility_at(current) if current > 0 else 1.0  # no nodes: the work wants one
+    if now > cfg.high and current < cfg.max_nodes:
+        best = current + 1
+        for n in range(current + 1, cfg.max_nodes + 1):
+            if utility_at(n) < cfg.low:
+                break
+            best = n
+        return best, now
+    if now < cfg.low and current > cfg.min_nodes:
+        for n in range(current - 1, cfg.min_nodes - 1, -1):
+            if n == 0 or utility_at(n) >= cfg.low:
+                return n, now
+        return cfg.min_nodes, now
+    return current, now
