@@ -11,6 +11,14 @@ measurement hooks, :func:`pollux_launch.tuning.hooks.attach_measurement`); the f
 called as ``f(ddp_model, optimizer, init_batch_size=, num_replicas=, local_bsz=)`` and
 must return an object with ``remove()``.
 
+``--policy module:Class`` (an adaptation policy, ``pollux_launch.elastic.AdaptationPolicy``,
+loaded as ``pollux-run --policy-module`` loads it) adds, on the "with" side only, the
+step boundary a job runs with that policy: a real ``ElasticController`` over the
+measurement hooks (their gradient statistics and step profile, the fixed batch, the
+workers' gloo group) whose ``after_step`` runs after every optimiser step - the policy's
+``after_step`` hook every step, and the controller's decision (one small broadcast) every
+20 steps, as in training. The policy alone is the job's list (no goodput policy).
+
 LAST line: {"overhead_pct": <100 * (t_with / t_without - 1), median of pairs>, with t the
 wall time of a block; "overhead_pct_cpu": the same with t the CPU time both workers spent,
 which a busy shared machine disturbs far less than wall time}.
@@ -52,6 +60,68 @@ def _resolve(spec: str | None) -> Callable[..., Any]:
     return getattr(importlib.import_module(mod), fn)
 
 
+class _BenchHooks:
+    """``FrameworkHooks`` for the controller of ``--policy``: a fixed batch, the attached
+    measurement hooks' gradient statistics, a static group (nothing to rebuild)."""
+
+    def __init__(self, handle_of: Callable[[], Any], local_bsz: int) -> None:
+        self._handle_of, self._local_bsz = handle_of, local_bsz
+
+    def batch(self) -> tuple[int, int]:
+        return self._local_bsz, 0
+
+    def apply_batch(self, m: int, s: int) -> None:
+        pass  # the batch is fixed (decisions keep it)
+
+    def set_lr_factor(self, factor: float) -> None:
+        pass  # 1.0 at the fixed batch
+
+    def grad_stats(self) -> Any:
+        monitor = getattr(self._handle_of(), "monitor", None)
+        return monitor.stats() if monitor is not None else None
+
+    def capture(self, controller_state: dict[str, Any]) -> None:
+        return None
+
+    def rebuild(self, captured: Any, controller_state: dict[str, Any], from_rank0: bool
+                ) -> None:
+        return None
+
+    def leave(self) -> None:
+        pass
+
+    def checkpoint_state(self, controller_state: dict[str, Any], collective: bool) -> None:
+        return None
+
+    def restore_checkpoint(self, state: dict[str, Any]) -> Any:
+        raise ValueError("no checkpoints in this benchmark")
+
+
+def make_controller(spec: str, handle_of: Callable[[], Any], local_bsz: int) -> Any:
+    """A real ``ElasticController`` running policy ``spec`` over the attached hooks, on the
+    already initialised gloo group (a static job), started as a job starts."""
+    import pollux_launch.adapters.torch as pollux
+    from pollux_launch.adapters.torch.job import JobCollectives
+    from pollux_launch.elastic import ElasticController
+    from pollux_launch.elastic.adaptation import load_policy
+    from pollux_launch.tuning.profile import StepProfile
+    from pollux_launch.tuning.progress import StatisticalProgress
+    from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig
+
+    bsz = local_bsz * WORLD
+    config = TunerConfig(init_batch_size=bsz, max_batch_size=bsz,
+                         local_bsz_bounds=(local_bsz, local_bsz), gradient_accumulation=False,
+                         adaptive_batch_size=False)
+    profile = getattr(handle_of(), "profile", None) or StepProfile()
+    made: list[Any] = []
+    tuner = GoodputTuner(config, profile, lambda: made[0].grad,
+                         StatisticalProgress(bsz, 16 * bsz))
+    made.append(ElasticController(_BenchHooks(handle_of, local_bsz), tuner,
+                                  JobCollectives(pollux.init()), policies=[load_policy(spec)]))
+    made[0].start(fresh=False, sync=False)
+    return made[0]
+
+
 def make_model() -> torch.nn.Module:
     # 784*512 + 2*512*512 + 512*10 weights + biases: about 0.93M parameters.
     return torch.nn.Sequential(
@@ -78,8 +148,11 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
     loss_fn = torch.nn.CrossEntropyLoss()
     it = 0
 
-    def run(steps: int) -> tuple[float, float]:
-        """(wall seconds, CPU seconds of both workers) for ``steps`` training steps."""
+    controller: Any = None  # --policy: the step boundary, on the "with" side
+
+    def run(steps: int, boundary: bool = False) -> tuple[float, float]:
+        """(wall seconds, CPU seconds of both workers) for ``steps`` training steps;
+        ``boundary``: each followed by the controller's (``--policy``)."""
         nonlocal it
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
@@ -90,6 +163,8 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if boundary:
+                controller.after_step(args.local_bsz * WORLD)
         cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
         dist.barrier()
         wall = time.perf_counter() - t0
@@ -105,7 +180,9 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
         num_replicas=WORLD,
         local_bsz=args.local_bsz,
     )
-    run(args.warmup)
+    if args.policy:
+        controller = make_controller(args.policy, lambda: handle, args.local_bsz)
+    run(args.warmup, boundary=controller is not None)
     handle.remove()
     run(args.warmup // 4)
     pairs = []
@@ -124,7 +201,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
                         num_replicas=WORLD,
                         local_bsz=args.local_bsz,
                     )
-            times[with_hooks] = run(args.steps)
+            times[with_hooks] = run(args.steps, boundary=with_hooks and controller is not None)
             if with_hooks:
                 handle.remove()
         pairs.append((*times[False], *times[True]))  # wall_a, cpu_a, wall_b, cpu_b
@@ -219,7 +296,12 @@ def main() -> None:
     ap.add_argument("--attach", default=None, help="module:function to attach (default: agent)")
     ap.add_argument("--full", action="store_true",
                     help="compare plain DDP with the whole native adapter (ElasticTrainer)")
+    ap.add_argument("--policy", default=None, metavar="MODULE:CLASS",
+                    help="the with side also runs a controller with this adaptation policy "
+                         "after every step")
     args = ap.parse_args()
+    if args.policy and args.full:
+        ap.error("--policy measures the hooks' side; --full measures ElasticTrainer")
     n_params = sum(p.numel() for p in make_model().parameters())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "pairs.json")
@@ -247,8 +329,10 @@ def main() -> None:
         f"{len(pairs)} pairs of {args.steps}-step blocks; noise-scale measured every "
         f"{info['interval']} step(s); CPU-time overhead {cpu:.2f} % (robust to a loaded machine)"
     )
+    measured = ("ElasticTrainer" if args.full else "measurement hooks" if not args.policy
+                else f"measurement hooks + controller with policy {args.policy}")
     print(json.dumps({"overhead_pct": round(wall, 3), "overhead_pct_cpu": round(cpu, 3),
-                      "measured": "ElasticTrainer" if args.full else "measurement hooks"}))
+                      "measured": measured}))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Goodput-driven cluster autoscaling (Pollux Sec. 4.2.2 and 5.3.3). Pure.
 
-The *utility* of an allocation ``A`` is the speedup it buys per GPU:
+The *utility* of an allocation ``A`` on a cluster of ``G`` GPUs is the speedup it buys
+per GPU the cluster holds:
 
-    UTILITY(A) = sum_j SPEEDUP_j(A_j) / sum_j |A_j|
+    UTILITY(A) = sum_j SPEEDUP_j(A_j) / G
 
-with each job's speedup relative to one GPU (a perfectly scalable job scores 1). For one
-job it is ``GOODPUT(a) / (SUM(a) * GOODPUT(1 GPU))``: its goodput as a fraction of the
-ideal. Because statistical efficiency rises as training goes on, utility rises too, and
-a larger cluster starts to pay.
+with each job's speedup relative to one GPU (a perfectly scalable job scores 1; an idle
+GPU, paid for, scores 0). For one job that takes the cluster it is
+``GOODPUT(a) / (SUM(a) * GOODPUT(1 GPU))``: its goodput as a fraction of the ideal.
+Because statistical efficiency rises as training goes on, utility rises too, and a
+larger cluster starts to pay.
 
 The rule: each decision, with the allocation the scheduling policy would pick on ``n``
 nodes (``utility_at(n)``), a cluster whose utility is above ``high`` (U = 2/3) grows to
@@ -60,11 +62,11 @@ class AutoscaleConfig:
                              f"{self.rule!r}")
 
 
-def utility(jobs: Sequence[JobInfo], alloc: np.ndarray) -> float:
-    """UTILITY(A) (module docstring): ``alloc`` is jobs x nodes; 0 for an empty one."""
+def utility(jobs: Sequence[JobInfo], alloc: np.ndarray, *, gpus: int) -> float:
+    """UTILITY(A) (module docstring): ``alloc`` is jobs x nodes, ``gpus`` the cluster's
+    GPUs (idle ones included); 0 for an empty cluster."""
     alloc = np.asarray(alloc)
-    gpus = int(alloc.sum())
-    if gpus == 0:
+    if gpus <= 0:
         return 0.0
     total = 0.0
     for job, row in zip(jobs, alloc, strict=True):
