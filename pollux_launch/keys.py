@@ -14,6 +14,7 @@
     jobs/<job>/tasks/<task>       WorkerTask: a Horovod worker the job's launcher asks a node for
     jobs/<job>/exits/<task>       TaskExit, written by the node agent that ran the task
     coordinator/leader            the active coordinator's id, under its lease
+    coordinator/autoscale         AutoscaleStatus: the autoscaler's last decision
 
 Only JSON is stored; see ``pollux_launch.messages``.
 """
@@ -28,6 +29,7 @@ NAME = re.compile(r"[A-Za-z0-9_.@:+-]{1,128}")
 NODES = "nodes/"
 JOBS = "jobs/"
 LEADER = "coordinator/leader"
+AUTOSCALE = "coordinator/autoscale"
 
 
 def node(name: str) -> str:

@@ -306,6 +306,22 @@ class JobStatus:
         return self.state in FINISHED_STATES
 
 
+@dataclass(frozen=True)
+class AutoscaleStatus:
+    """The coordinator's autoscaler at its last decision (``coordinator/autoscale``):
+    nodes registered, the size it aims at, nodes asked for and not joined yet, nodes
+    being drained, the cluster's utility (Pollux Sec. 4.2.2) and why."""
+
+    nodes: int = within(0, MAX_INT)
+    target: int = within(0, MAX_INT)
+    booting: int = within(0, MAX_INT, 0)
+    draining: tuple[str, ...] = named(())
+    utility: float = within(0.0, 1e6, 0.0)
+    rule: str = "goodput"
+    reason: str = ""
+    timestamp: float = within(*_TIME, 0.0)
+
+
 def encode(msg: Any) -> str:
     """Serialise a message dataclass to compact JSON with its schema version."""
     body = dataclasses.asdict(msg)

@@ -51,6 +51,7 @@ from .. import keys
 from ..messages import (
     REJECTED_EXIT,
     Allocation,
+    AutoscaleStatus,
     JobGeneration,
     JobHints,
     JobSpec,
@@ -65,6 +66,7 @@ from ..policy import Policy, PolicyNode
 from ..policy.admission import AdmissionConfig, Candidate, decide_admission
 from ..policy.rescale_cost import RescaleCost
 from ..rendezvous.store import Compare, Delete, Event, Put, Store, StoreError
+from .autoscaler import Autoscaler
 from .jobs import SpeedupFn, job_info, model_speedup, model_throughput
 
 log = logging.getLogger(__name__)
@@ -102,10 +104,13 @@ class Coordinator:
         cost: RescaleCost | None = None,
         live_delay: float | None = None,
         admission: AdmissionConfig | None = None,
+        autoscaler: Autoscaler | None = None,
     ) -> None:
         self.store, self.policy, self.interval = store, policy, interval
         self.admission = admission or AdmissionConfig()
         self._admitted_now: set[str] = set()  # admitted in this round
+        self.autoscaler = autoscaler
+        self._autoscale_said: AutoscaleStatus | None = None
         # what a change costs each job (the penalty's delta, by kind): see jobs.job_info
         self.cost, self.live_delay = cost, live_delay
         self.node_grace = node_grace
@@ -151,7 +156,10 @@ class Coordinator:
                           self.cost, self.live_delay, self._memo[n][2])
                  for n, v in ((n, jobs[n]) for n in active)]
         held = _held({name: jobs[name].allocation for name in active})
-        free = [PolicyNode(n.name, _capacity(n, held.get(n.name, {}))) for n in nodes]
+        drain = (self.autoscaler.round(infos, present, held, now) if self.autoscaler
+                 else set())  # draining nodes take nothing: their jobs move off live
+        free = [PolicyNode(n.name, 0 if n.name in drain else _capacity(n, held.get(n.name, {})))
+                for n in nodes]
         target = current
         if active and nodes:
             try:
@@ -194,6 +202,10 @@ class Coordinator:
             for name, alloc in sorted(writes.items()):
                 log.info("allocation %s v%d: %s", name, alloc.version, _describe(alloc))
         self.rounds += 1
+        status = self.autoscaler.status if self.autoscaler else None
+        if status is not None and status != self._autoscale_said:
+            self.store.put(keys.AUTOSCALE, encode_msg(status))
+            self._autoscale_said = status
         return writes
 
     def _admit(self, active: list[str], jobs: dict[str, _JobView], capacity: int,

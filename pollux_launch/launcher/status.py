@@ -22,6 +22,7 @@ from ..arguments import seconds
 from ..messages import (
     MAX_REPLICAS,
     Allocation,
+    AutoscaleStatus,
     JobGeneration,
     JobHints,
     JobRestarts,
@@ -138,6 +139,15 @@ def render(store: Store, now: float | None = None) -> str:
                           str(max(0, n.slots - max(used[n.name], running)))])
     out = [_table(["NODE", "SLOTS", "USED", "RUNNING", "FREE"],
                   node_rows or [["(no nodes)", "", "", "", ""]])]
+    kv = store.get(keys.AUTOSCALE)
+    if kv is not None:
+        try:
+            a = decode(AutoscaleStatus, kv.value)
+            out.append(f"autoscale: {a.nodes} nodes, target {a.target} ({a.booting} booting"
+                       f"{', draining ' + ','.join(a.draining) if a.draining else ''}); "
+                       f"utility {a.utility:.2f} ({a.rule} rule): {a.reason}")
+        except MessageError:
+            bad.append(kv.key)
     out.append(_table(
         ["JOB", "STATE", "KIND", "GPUS PER NODE", "BATCH", "EFF", "GOODPUT", "SPEEDUP", "REALLOCS",
          "RESTARTS (LOST)", "AGE"], rows or [["(no jobs)"] + [""] * 10]))

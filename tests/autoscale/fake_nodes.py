@@ -1,0 +1,84 @@
+"""Starts and stops local `pollux-run agent` processes as if they were machines.
+
+Three faces, chosen by how it is called (the test puts them on PATH):
+
+* ``fake_nodes.py up N`` / ``fake_nodes.py down NODE...``: a ``command`` provisioner;
+* ``sbatch --parsable ... --wrap CMD``: starts ``CMD`` with ``$SLURM_JOB_ID`` set,
+  prints the job id;
+* ``scancel ID...``: stops those jobs.
+
+State (pids, a log of calls) lives in ``$FAKE_NODES_DIR``; agents reach the store at
+``$FAKE_NODES_STORE`` under ``$FAKE_NODES_PREFIX``. Each agent has 1 slot.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DIR = Path(os.environ["FAKE_NODES_DIR"])
+POLLUX_RUN = str(Path(sys.executable).with_name("pollux-run"))
+
+
+def log(*call: str) -> None:
+    with open(DIR / "calls.jsonl", "a") as f:
+        f.write(json.dumps(list(call)) + "\n")
+
+
+def start(name: str, argv: list[str], env: dict[str, str]) -> None:
+    out = open(DIR / f"{name}.log", "ab")
+    proc = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    (DIR / f"{name}.pid").write_text(str(proc.pid))
+
+
+def stop(name: str) -> None:
+    pid = int((DIR / f"{name}.pid").read_text())
+    os.kill(pid, signal.SIGTERM)  # the agent drains and exits
+    for _ in range(300):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    (DIR / f"{name}.pid").unlink()
+
+
+def agent(name: str) -> list[str]:
+    return [POLLUX_RUN, "agent", "--store", os.environ["FAKE_NODES_STORE"], "--store-prefix",
+            os.environ["FAKE_NODES_PREFIX"], "--node-name", name, "--slots", "1",
+            "--state-dir", str(DIR / f"state-{name}")]
+
+
+def main(prog: str, args: list[str]) -> int:
+    log(prog, *args)
+    if prog == "sbatch":
+        job = str(len(list(DIR.glob("slurm-*"))) + 1000)
+        (DIR / f"slurm-{job}").touch()
+        command = args[args.index("--wrap") + 1]
+        start(f"job{job}", ["/bin/sh", "-c", f"exec {command}"],  # (signals reach it)
+              {**os.environ, "SLURM_JOB_ID": job})
+        print(job)
+        return 0
+    if prog == "scancel":
+        for job in args:
+            stop(f"job{job}")
+        return 0
+    if args[0] == "up":
+        for _ in range(int(args[1])):
+            n = len(list(DIR.glob("made-*"))) + 1
+            (DIR / f"made-{n}").touch()
+            start(f"auto-{n}", agent(f"auto-{n}"), dict(os.environ))
+        return 0
+    if args[0] == "down":
+        for node in args[1:]:
+            stop(node)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[0]).name, sys.argv[1:]))
