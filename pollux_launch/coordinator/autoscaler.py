@@ -58,7 +58,7 @@ class Autoscaler:
         self._born: dict[str, float] = {}  # node -> first seen
         self._known: set[str] = set()
         # a coordinator that just started first lets the running nodes register
-        self._next = clock() + max(settle, cfg.interval)
+        self._next = clock() + settle
         self._retry_at = 0.0
         self._backoff = cfg.interval
         self._said: set[str] = set()  # provisioner errors logged already

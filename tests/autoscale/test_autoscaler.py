@@ -1,0 +1,106 @@
+"""The coordinator's autoscaler on its own: decisions over what-if solves, draining
+before release, the minimum node lifetime, booting nodes, and a provisioner that fails."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from pollux_launch.coordinator.autoscaler import Autoscaler
+from pollux_launch.coordinator.provisioners import Provisioner, ProvisionerError
+from pollux_launch.messages import NodeInfo
+from pollux_launch.policy import JobInfo, make_policy
+from pollux_launch.policy.autoscale import AutoscaleConfig
+
+
+class Recorder(Provisioner):
+    """A provisioner that only records (or fails, while ``failing``)."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.failing = False
+        self.done = threading.Event()
+
+    def up(self, count: int) -> None:
+        self._do("up", count)
+
+    def down(self, nodes) -> None:
+        self._do("down", list(nodes))
+
+    def _do(self, op: str, arg: object) -> None:
+        self.calls.append((op, arg))
+        self.done.set()
+        if self.failing:
+            raise ProvisionerError(f"{op}: no capacity in the zone")
+
+
+def linear(n, k):
+    return np.asarray(k, dtype=float)
+
+
+def settle(scaler: Autoscaler, prov: Recorder) -> None:
+    prov.done.wait(5)
+    prov.done.clear()
+    for _ in range(100):  # the call returned and the autoscaler saw it
+        if not scaler._busy.is_set():
+            return
+        time.sleep(0.01)
+
+
+def make(cfg: AutoscaleConfig, prov: Recorder, clock: list[float]) -> Autoscaler:
+    policy = make_policy("pollux-dp", delta=0.0)
+    return Autoscaler(cfg, prov, lambda jobs, nodes: policy.optimize(
+        jobs, nodes, np.zeros((len(jobs), len(nodes)), dtype=int)), lambda: clock[0],
+        settle=0.0)
+
+
+def test_it_grows_for_scalable_work_and_drains_before_it_releases():
+    clock, prov = [1000.0], Recorder()
+    cfg = AutoscaleConfig(1, 4, interval=10.0, min_lifetime=15.0)
+    scaler = make(cfg, prov, clock)
+    job = JobInfo("a", linear, age=10.0, max_replicas=8)
+    nodes = [NodeInfo("n1", 2)]
+    assert scaler.round([job], nodes, {}, clock[0]) == set()
+    settle(scaler, prov)
+    assert prov.calls == [("up", 3)]  # linear: every size keeps utility 1 -> the maximum
+    assert scaler.status.target == 4 and scaler.status.booting == 3
+    nodes += [NodeInfo("n2", 2), NodeInfo("n3", 2), NodeInfo("n4", 2)]
+    clock[0] += 10
+    scaler.round([job], nodes, {"n1": {"a": 2}}, clock[0])
+    assert scaler.status.booting == 0 and scaler.status.nodes == 4
+    # the work ends: shrink to the minimum, but no node younger than 15 s goes
+    clock[0] += 10
+    assert scaler.round([], nodes, {}, clock[0]) == {"n1"}  # the others are 10 s old
+    clock[0] += 10  # now all are old enough; n2 still holds a replica
+    assert scaler.round([], nodes, {"n2": {"b": 1}}, clock[0]) == {"n1", "n3", "n4"}
+    settle(scaler, prov)
+    assert prov.calls[-1] == ("down", ["n1"])  # drained since the last round: released
+    clock[0] += 1
+    scaler.round([], nodes, {"n2": {"b": 1}}, clock[0])
+    settle(scaler, prov)
+    assert prov.calls[-1] == ("down", ["n3", "n4"])  # and n2 stays while it holds work
+
+
+def test_a_failing_provisioner_backs_off_and_is_asked_again():
+    clock, prov = [1000.0], Recorder()
+    prov.failing = True
+    scaler = make(AutoscaleConfig(1, 2, interval=1.0), prov, clock)
+    job = JobInfo("a", linear, age=10.0, max_replicas=8)
+    nodes = [NodeInfo("n1", 1)]
+    for t in (1000.0, 1001.0):  # fails twice: back-off 1 s, then 2 s
+        clock[0] = t
+        scaler.round([job], nodes, {}, t)
+        settle(scaler, prov)
+    assert prov.calls == [("up", 1), ("up", 1)] and scaler._booting == []
+    clock[0] = 1002.0
+    scaler.round([job], nodes, {}, clock[0])  # within the back-off: no call
+    assert len(prov.calls) == 2
+    prov.failing = False
+    clock[0] = 1003.0
+    scaler.round([job], nodes, {}, clock[0])
+    settle(scaler, prov)
+    assert prov.calls[-1] == ("up", 1) and len(prov.calls) == 3 and len(scaler._booting) == 1
