@@ -27,6 +27,7 @@ which a busy shared machine disturbs far less than wall time}.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -215,6 +216,11 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(pairs, f)
+    # the controller and its policy context refer to each other: collect them now, or that
+    # cycle keeps the DDP model (and its gloo group's threads) alive into the interpreter's
+    # shutdown, where destroying them aborts the process now and then
+    controller = None
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -49,6 +49,7 @@ import logging
 import math
 import re
 import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -140,8 +141,8 @@ def fit_total(total: int, replicas: int, config: TunerConfig, accum_steps: int |
         s = max(0, int(accum_steps))
     else:
         s = max(0, math.ceil(total / (k * hi)) - 1)
-    m = min(max(round(total / (k * (s + 1))), lo), hi)
-    return m, s
+    m = min(round(total / (k * (s + 1))), config.max_batch_size // (k * (s + 1)))
+    return min(max(m, lo), hi), s  # (rounding never past max_batch_size, where lo allows)
 
 
 def resolve_batch(actions: Actions, replicas: int, current: tuple[int, int],
@@ -168,7 +169,10 @@ class PolicyContext:
     collectives."""
 
     def __init__(self, controller: ElasticController) -> None:
-        self._c = controller
+        # a weak reference: the controller holds this context, and a cycle would keep a
+        # finished controller (and its model and process group) alive until the cycle
+        # collector runs, possibly after the group was destroyed
+        self._c = weakref.proxy(controller)
         self._pending = Actions()
         self.metrics: dict[str, float] = {}  # the user's scalars: ctx.record(name, value)
         self.previous_world_size = 0  # in on_rescale: the size before (0: the start)

@@ -404,7 +404,8 @@ class ElasticController:
         if self.loader is not None:
             self.loader.set_replicas(self.group.rank, self.group.world_size)
         self.resets += 1  # (the first is the start)
-        self._t_boundary, self.throughput = None, None  # the pause is not a step
+        # the pause is not a step, and the old group's step times are not this one's
+        self._t_boundary, self.throughput, self.step_time = None, None, None
         self.ctx.previous_world_size = self._decided_size
         self._run_policies("on_rescale")
         self.decide(force=True)

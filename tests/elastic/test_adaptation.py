@@ -233,3 +233,11 @@ def test_replicas_that_disagree_all_apply_rank_0s_decision_and_collectives_agree
                       "bcast1": 8.0, "bcast0": [0.0, 0.0]}
     assert applied[-1] == (8, 0)  # rank 0's total of 16 on 2 replicas, not rank 1's 32
     assert factor == 1.5 and request == (2, 2) and not stopped
+
+
+def test_a_total_batch_never_rounds_past_the_jobs_maximum():
+    cfg = TunerConfig(init_batch_size=479, max_batch_size=479, local_bsz_bounds=(1, 479))
+    m, s = fit_total(479, 2, cfg)
+    assert 2 * m * (s + 1) <= 479
+    m, s = resolve_batch(Actions(batch_size=479), 2, (479, 0), cfg)
+    assert 2 * m * (s + 1) <= 479

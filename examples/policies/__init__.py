@@ -1,0 +1,1 @@
+"""Runnable adaptation-policy examples (KungFu-style) on scikit-learn's digits."""
