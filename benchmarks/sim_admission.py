@@ -52,7 +52,7 @@ from pollux_launch.policy.rescale_cost import RESCALE_MODELS
 from pollux_launch.sim.generate import SCENARIOS, generate_workload
 from pollux_launch.sim.run import config_for, run_specs, run_workload
 from pollux_launch.sim.simulator import ProfileConfig
-from pollux_launch.sim.traces import TRACES_DIR
+from pollux_launch.sim.traces import TRACES_DIR, parse_numbers
 
 MODES = ("queue", "drop")
 POLICIES = ("pollux-dp", "saxena-dp", "max-bs")
@@ -89,15 +89,6 @@ def _run(task):
     return _scenario_task(task[1]) if task[0] == "scenario" else _profile_task(task[1])
 
 
-def _parse_range(text: str) -> list[int]:
-    if text.strip().lower() == "none":
-        return []
-    out = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -118,7 +109,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         seeds = [int(x) for x in args.seeds.split(",")]
-        profile_ks = _parse_range(args.profile_workloads)
+        profile_ks = parse_numbers(args.profile_workloads)
         cost = load_rescale_cost(args.rescale_calibration)
     except ValueError as exc:
         ap.error(str(exc))

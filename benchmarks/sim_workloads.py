@@ -36,7 +36,7 @@ from pollux_launch.calibration import load_rescale_cost
 from pollux_launch.policy import DEFAULT_POLICY
 from pollux_launch.policy.rescale_cost import RESCALE_MODELS
 from pollux_launch.sim.run import config_for, run_workload
-from pollux_launch.sim.traces import TRACES_DIR
+from pollux_launch.sim.traces import TRACES_DIR, parse_numbers
 
 # traces/README.md: Pollux (p = -1), authors' simulator, 64 GPUs, 60 s, 30 s per restart.
 PUBLISHED_POLLUX = {1.0: [2089, 3323, 2188, 2721, 2674, 2446, 3616, 2952]}
@@ -63,13 +63,6 @@ def _label(model: str, policy: str) -> str:
     return model if policy == DEFAULT_POLICY else f"{model}:{policy}"
 
 
-def _parse_range(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
 
 def _ratio(load: float, ks: list[int], jcts: dict[int, float]) -> float:
     """avg JCT / published Pollux: mean of per-workload ratios, or of the means."""
@@ -93,7 +86,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         loads = [float(x) for x in args.loads.split(",")]
-        ks = _parse_range(args.workloads)
+        ks = parse_numbers(args.workloads)
         cost = load_rescale_cost(args.rescale_calibration)
     except ValueError as exc:
         ap.error(str(exc))

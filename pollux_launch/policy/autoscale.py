@@ -15,7 +15,8 @@ The rule: each decision, with the allocation the scheduling policy would pick on
 nodes (``utility_at(n)``), a cluster whose utility is above ``high`` (U = 2/3) grows to
 the largest size whose predicted utility is still at least ``low`` (L = 1/2); one below
 ``low`` shrinks to the largest size whose utility reaches ``low``. Between the two it
-stays: the band is the hysteresis (the coordinator adds a minimum node lifetime).
+stays: the band is the hysteresis (the coordinator adds a minimum node lifetime). A
+cluster with work never shrinks below one node, and one with none goes to its minimum.
 
 ``rule="throughput"`` is the baseline (Or et al., MLSys'20): the same rule on speedups of
 system throughput alone, blind to statistical efficiency (the caller builds the jobs'
@@ -90,17 +91,20 @@ def target_nodes(cfg: AutoscaleConfig, utility_at: Callable[[int], float], curre
     if not has_work:
         return cfg.min_nodes, 0.0
     current = min(max(current, cfg.min_nodes), cfg.max_nodes)
+    floor = max(cfg.min_nodes, 1)  # work never runs on no nodes
     now = utility_at(current) if current > 0 else 1.0  # no nodes: the work wants one
-    if now > cfg.high and current < cfg.max_nodes:
-        best = current + 1
+    if (now > cfg.high or current < floor) and current < cfg.max_nodes:
+        # Only to sizes predicted to stay at or above L: a size below it would be undone
+        # by the shrink rule at the next decision (grow, shrink, grow, ...).
+        best = max(current, floor)
         for n in range(current + 1, cfg.max_nodes + 1):
             if utility_at(n) < cfg.low:
                 break
             best = n
         return best, now
-    if now < cfg.low and current > cfg.min_nodes:
-        for n in range(current - 1, cfg.min_nodes - 1, -1):
-            if n == 0 or utility_at(n) >= cfg.low:
+    if now < cfg.low and current > floor:
+        for n in range(current - 1, floor - 1, -1):
+            if utility_at(n) >= cfg.low:
                 return n, now
-        return cfg.min_nodes, now
+        return floor, now
     return current, now

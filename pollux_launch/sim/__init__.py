@@ -5,10 +5,12 @@
                     optional ``min_batch_size,max_batch_size,max_replicas`` limits)
 * :mod:`.simulator` the cluster loop: admission control, then jobs learn online and the
                     policy allocates each round (optionally after profiling on arrival)
+* :mod:`.autoscale` cloud autoscaling: the node pool (boot, drain, node-hours) and the
+                    utility rule's what-if solves (``--autoscale MIN:MAX``)
 * :mod:`.baselines` TunedJobs policies (``tuned-las``, ``tuned-fifo``) and ``max-bs``
 * :mod:`.generate`  Saxena et al.'s scenarios: Poisson arrivals at a high or a low rate
 * :mod:`.run`       workload file + policy name -> :class:`SimResult`
-* :mod:`.plots`     JCT CDF and GPUs / efficiency timelines (PNG)
+* :mod:`.plots`     JCT CDF, GPUs / efficiency and nodes / jobs timelines (PNG)
 * :mod:`.cli`       the ``simulate`` subcommand
 """
 

@@ -10,7 +10,9 @@ DIR/summary.json, DIR/jct_cdf.png, DIR/timeline.png (and DIR/workload.csv for a
 (:mod:`pollux_launch.sim.generate`) instead of reading ``--workload``;
 ``--admission queue|drop`` puts admission control in front of the policy
 (:mod:`pollux_launch.policy.admission`); ``--profile-on-arrival`` profiles each new job
-on a few GPU counts before it competes (:class:`pollux_launch.sim.simulator.ProfileConfig`).
+on a few GPU counts before it competes (:class:`pollux_launch.sim.simulator.ProfileConfig`);
+``--autoscale MIN:MAX`` grows and shrinks the cluster by Pollux's utility rule
+(:mod:`pollux_launch.sim.autoscale`; node-hours in the summary, DIR/nodes.png).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ import json
 import sys
 from pathlib import Path
 
-from pollux_launch.arguments import add_admission_arguments, admission_from_args
+from pollux_launch.arguments import (
+    add_admission_arguments,
+    add_autoscale_arguments,
+    admission_from_args,
+    autoscale_from_args,
+    seconds_or_zero,
+)
 from pollux_launch.calibration import add_calibration_argument, load_rescale_cost
 from pollux_launch.policy.rescale_cost import RESCALE_MODELS
 from pollux_launch.sim.generate import SCENARIOS, generate_workload
@@ -42,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default=None, metavar="NAME",
                         help=f"scheduling policy (default: the fast Pollux solver); "
                              f"one of {', '.join(policy_names())}")
-    parser.add_argument("--nodes", type=int, default=16, help="nodes in the cluster (16)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes in the cluster (16); with --autoscale, the nodes it "
+                             "starts with (default MIN, at least 1)")
     parser.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node (4)")
     parser.add_argument("--rescale-model", default="live", choices=RESCALE_MODELS,
                         help="what a change of allocation costs: live (survivors pause for "
@@ -62,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of randomised policies and of --scenario's draw (0)")
     add_admission_arguments(parser)
+    add_autoscale_arguments(parser)
+    parser.add_argument("--boot-time", type=seconds_or_zero, default=None, metavar="S",
+                        help="--autoscale: seconds from requesting a node until it joins "
+                             "(90); billed from the request")
     parser.add_argument("--horizon", type=float, default=None, metavar="S",
                         help="stop at simulated time S and count the jobs completed by then "
                              "(default: none; a --scenario's arrival window)")
@@ -99,6 +113,23 @@ def _profile(args: argparse.Namespace) -> ProfileConfig | None:
     return ProfileConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
+def _cluster(args: argparse.Namespace, autoscale) -> tuple[int, float]:
+    """(starting nodes, boot time) from --nodes / --autoscale / --boot-time."""
+    if autoscale is None:
+        if args.boot_time is not None:
+            raise ValueError("--boot-time needs --autoscale MIN:MAX")
+        nodes = 16 if args.nodes is None else args.nodes
+        if nodes < 1:
+            raise ValueError(f"--nodes must be at least 1, got {nodes}")
+        return nodes, 90.0
+    lo, hi = autoscale.min_nodes, autoscale.max_nodes
+    nodes = max(lo, 1) if args.nodes is None else args.nodes
+    if not lo <= nodes <= hi:
+        raise ValueError(f"--nodes {nodes} (the starting size) must lie within "
+                         f"--autoscale {lo}:{hi}")
+    return nodes, 90.0 if args.boot_time is None else args.boot_time
+
+
 def run(args: argparse.Namespace) -> int:
     generated = None
     try:
@@ -108,16 +139,20 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--scenario-jobs needs --scenario")
         models_dir = args.models_dir or MODELS_DIR
         admission = admission_from_args(args)
+        autoscale = autoscale_from_args(args)
+        nodes, boot = _cluster(args, autoscale)
         horizon = args.horizon
         if args.scenario is not None:
             generated = generate_workload(
-                args.scenario, gpus=args.nodes * args.gpus_per_node, seed=args.seed,
+                args.scenario, gpus=(autoscale.max_nodes if autoscale else nodes)
+                * args.gpus_per_node, seed=args.seed,
                 jobs=args.scenario_jobs, models_dir=models_dir)
             horizon = generated.horizon if horizon is None else horizon
         cfg = config_for(args.rescale_model, load_rescale_cost(args.rescale_calibration),
-                         args.interval, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                         args.interval, nodes=nodes, gpus_per_node=args.gpus_per_node,
                          realloc_delay=args.realloc_delay, interference=args.interference,
-                         admission=admission, horizon=horizon, profile=_profile(args))
+                         admission=admission, horizon=horizon, profile=_profile(args),
+                         autoscale=autoscale, boot_time=boot)
         run_kw = {"seed": args.seed, "progress": not args.no_progress,
                   "options": {"p": args.fairness}, "models_dir": models_dir}
         if generated is not None:
@@ -134,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     if generated is not None:
         summary["scenario"] = generated.info()
     if args.output:
-        from pollux_launch.sim.plots import plot_jct_cdf, plot_timeline
+        from pollux_launch.sim.plots import plot_jct_cdf, plot_nodes, plot_timeline
 
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
@@ -144,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         (out / "summary.json").write_text(json.dumps(full, indent=1))
         plot_jct_cdf([result], out / "jct_cdf.png")
         plot_timeline([result], out / "timeline.png")
+        if autoscale is not None:
+            plot_nodes([result], out / "nodes.png")
         summary["output"] = str(out)
     if args.json:
         summary["jcts"] = {k: round(v, 1) for k, v in result.jcts.items()}
@@ -170,6 +207,12 @@ def _print_human(result, summary: dict) -> None:
               f"{summary['avg_gpu_utilization']:.0%}, {summary['rounds']} rounds, solve "
               f"{summary['solve_ms_median']:.1f} ms median / {summary['solve_ms_p95']:.1f} ms "
               f"p95, simulated in {summary['sim_wall_s']:.1f} s")
+    scale = summary["autoscale"]
+    how = ("fixed cluster" if scale is None else
+           f"autoscale {scale['min_nodes']}:{scale['max_nodes']} {scale['rule']} rule, "
+           f"{scale['decisions']} decisions")
+    print(f"cost: {summary['node_hours']:.1f} node-hours (avg {summary['avg_nodes']:.1f} "
+          f"nodes, peak {summary['peak_nodes']}; {how})")
     if summary["admission"] != "none" or summary["horizon"] is not None:
         until = "" if summary["horizon"] is None else f" by {summary['horizon']:.0f} s"
         print(f"admission {summary['admission']}: {summary['arrived']} arrived, "

@@ -51,6 +51,34 @@ def plot_timeline(results: Sequence[SimResult], path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def plot_nodes(results: Sequence[SimResult], path: str | Path) -> Path:
+    """Autoscaled clusters over time: nodes held (billed, booting included) and the
+    autoscaler's target, above the active jobs; one colour per result."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    for k, res in enumerate(results):
+        row = res.cluster
+        if not row["time"]:
+            continue
+        color = f"C{k}"
+        t = np.array(row["time"], dtype=float) / 3600.0
+        top.step(t, row["held"], where="post", color=color, lw=1.2,
+                 label=f"{res.policy}: held ({res.node_hours:.1f} node-h)")
+        top.step(t, row["target"], where="post", color=color, lw=0.8, ls="--",
+                 label=f"{res.policy}: target")
+        bottom.step(t, row["active_jobs"], where="post", color=color, lw=1, label=res.policy)
+        a = res.config.autoscale
+        if a is not None and k == 0:
+            top.axhline(a.max_nodes, color="gray", ls=":", lw=0.8)
+            top.axhline(a.min_nodes, color="gray", ls=":", lw=0.8)
+    top.set_ylabel("nodes")
+    bottom.set_ylabel("active jobs")
+    bottom.set_xlabel("time (hours)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.legend(loc="best", fontsize=7)
+    return _save(fig, path)
+
+
 def _save(fig, path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,10 @@ queue / drop, :mod:`pollux_launch.policy.admission`), a horizon at which the run
 each job's batch-size range and GPU cap from the workload (:class:`SimJob`), every job's
 batch fixed at its maximum (``SimConfig.fixed_max_batch``: the ``max-bs`` baseline), a
 throughput model per job for throughput-maximising policies (``JobInfo.throughput_fn``),
-and profiling on arrival (:class:`ProfileConfig`).
+profiling on arrival (:class:`ProfileConfig`), and cloud autoscaling
+(``SimConfig.autoscale``, Pollux Sec. 4.2.2: the cluster starts at ``nodes`` and grows
+and shrinks within MIN..MAX by the utility rule, nodes joining after ``boot_time``;
+:mod:`pollux_launch.sim.autoscale`). Every run reports its cost in node-hours.
 
 What a job *knows* is what a real Pollux agent would know: the (nodes, replicas,
 per-GPU batch) configurations it has run and their measured step/sync times (refit
@@ -64,11 +67,13 @@ from pollux_launch.goodput import (
 from pollux_launch.goodput.capacity import ThroughputFunction
 from pollux_launch.policy import JobInfo, Policy, PolicyNode
 from pollux_launch.policy.admission import AdmissionConfig, Candidate, decide_admission
+from pollux_launch.policy.autoscale import AutoscaleConfig
 from pollux_launch.policy.rescale_cost import (
     DEFAULT_STATE_BYTES,
     RESCALE_MODELS,
     RescaleCost,
 )
+from pollux_launch.sim.autoscale import NodePool, SimAutoscaler
 from pollux_launch.sim.traces import (
     PINNED_BATCH_SIZE,
     PINNED_MAX_REPLICAS,
@@ -143,10 +148,25 @@ class SimConfig:
     # max-bs: every adaptive job trains at its largest batch size (the range's top)
     fixed_max_batch: bool = False
     profile: ProfileConfig | None = None  # profile on arrival (None: Pollux's exploration)
+    # cloud autoscaling (Pollux Sec. 4.2.2): the cluster starts at ``nodes`` and moves
+    # within MIN..MAX (None: a fixed cluster of ``nodes``); see :mod:`.autoscale`
+    autoscale: AutoscaleConfig | None = None
+    boot_time: float = 90.0  # autoscale: seconds from requesting a node to its joining
 
     def __post_init__(self):
-        if self.nodes < 1 or self.gpus_per_node < 1:
+        if self.gpus_per_node < 1:
             raise ValueError("the cluster needs at least 1 node with at least 1 GPU")
+        if self.autoscale is None and self.nodes < 1:
+            raise ValueError("the cluster needs at least 1 node with at least 1 GPU")
+        if self.autoscale is not None:
+            if not isinstance(self.autoscale, AutoscaleConfig):
+                raise ValueError(f"autoscale must be an AutoscaleConfig, got {self.autoscale!r}")
+            lo, hi = self.autoscale.min_nodes, self.autoscale.max_nodes
+            if not lo <= self.nodes <= hi:
+                raise ValueError(f"an autoscaled cluster starts within --autoscale {lo}:{hi}; "
+                                 f"got {self.nodes} starting nodes")
+        if not (self.boot_time >= 0 and math.isfinite(self.boot_time)):
+            raise ValueError(f"boot time must be >= 0 seconds, got {self.boot_time}")
         if not self.interval > 0:
             raise ValueError(f"interval must be > 0 seconds, got {self.interval}")
         if self.realloc_delay < 0:
@@ -171,8 +191,14 @@ class SimConfig:
         return self.rescale_cost.expected_stall(self.rescale_model, DEFAULT_STATE_BYTES, 4)
 
     @property
+    def pool_nodes(self) -> int:
+        """Most nodes the cluster can ever hold (autoscale: MAX; else ``nodes``)."""
+        return self.nodes if self.autoscale is None else self.autoscale.max_nodes
+
+    @property
     def total_gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
+        """GPUs of the largest cluster (job limits and admission use this)."""
+        return self.pool_nodes * self.gpus_per_node
 
 
 def _linear_speedup(num_nodes, num_replicas):
@@ -233,7 +259,7 @@ class SimJob:
         self.profile_plan: list[int] = []  # GPU counts still to profile (profile on arrival)
         self.profile_clock = 0.0  # seconds trained on the current one
         # true state
-        self.alloc = np.zeros(cfg.nodes, dtype=int)
+        self.alloc = np.zeros(cfg.pool_nodes, dtype=int)
         self.placement: tuple[int, ...] = ()
         self.atomic_bsz = 0
         self.accum_steps = 0
@@ -505,8 +531,49 @@ class SimResult:
     waiting_jobs: list[int] = field(default_factory=list)  # arrived, not admitted yet
     avg_efficiency: list[float] = field(default_factory=list)
     solve_ms: list[float] = field(default_factory=list)
+    capacity_gpus: list[int] = field(default_factory=list)  # GPUs the policy could use
+    # the cluster every round (autoscale: also idle rounds): time, nodes held (billed:
+    # booting and draining included), ready (joined, not draining), target, active jobs
+    cluster: dict[str, list] = field(default_factory=lambda: {
+        k: [] for k in ("time", "held", "ready", "target", "active_jobs", "utility")})
+    # every node held: (requested, joined, released or None); billed from requested
+    leases: list[tuple[float, float, float | None]] = field(default_factory=list)
+    autoscale_decisions: int = 0
+    whatif_solves: int = 0  # policy solves of the autoscaler's what-ifs
     end_time: float = 0.0  # simulated time when the run ended
     wall_s: float = 0.0
+
+    @property
+    def node_hours(self) -> float:
+        """Cost: nodes held (booting and draining included) integrated over [0, end]."""
+        end = self.end_time
+        return sum(max((end if to is None else min(to, end)) - start, 0.0)
+                   for start, _, to in self.leases) / 3600.0
+
+    def cost_summary(self) -> dict:
+        """Node-hours, the mean and peak nodes held, and the autoscaler's settings."""
+        a, cfg = self.config.autoscale, self.config
+        held = self.cluster["held"]
+        hours = self.end_time / 3600.0
+        return {
+            "node_hours": self.node_hours,
+            "avg_nodes": self.node_hours / hours if hours > 0 else float(cfg.nodes),
+            "peak_nodes": max([*held, cfg.nodes]),
+            "autoscale": None if a is None else {
+                "min_nodes": a.min_nodes, "max_nodes": a.max_nodes, "rule": a.rule,
+                "utility_high": a.high, "utility_low": a.low, "interval": a.interval,
+                "min_node_lifetime": a.min_lifetime, "boot_time": cfg.boot_time,
+                "decisions": self.autoscale_decisions, "whatif_solves": self.whatif_solves},
+        }
+
+    def _utilization(self) -> np.ndarray:
+        """Allocated / usable GPUs per round (usable: the joined nodes' GPUs, default the
+        whole cluster's; 0 where none)."""
+        used = np.array(self.allocated_gpus, dtype=float)
+        cap = np.array(self.capacity_gpus, dtype=float)
+        if cap.shape != used.shape:
+            cap = np.full(used.shape, float(self.config.total_gpus))
+        return np.divide(used, cap, out=np.zeros_like(used), where=cap > 0)
 
     @property
     def jcts(self) -> dict[str, float]:
@@ -548,8 +615,7 @@ class SimResult:
         ``horizon`` (default the config's)."""
         jct = np.array(list(self.jcts.values()), dtype=float)
         solve = np.array(self.solve_ms, dtype=float)
-        total = self.config.total_gpus
-        util = np.array(self.allocated_gpus, dtype=float) / total
+        util = self._utilization()
         some = jct.size > 0
         return {
             "policy": self.policy,
@@ -569,6 +635,7 @@ class SimResult:
             "rescale_model": self.config.rescale_model,
             "realloc_delay": self.config.realloc_delay,
             **self.admission_summary(horizon),
+            **self.cost_summary(),
             "sim_wall_s": round(self.wall_s, 3),
         }
 
@@ -581,12 +648,17 @@ class SimResult:
                         for k, t in self.dropped.items()}
         out["timeline"] = {
             "time": self.times, "allocated_gpus": self.allocated_gpus,
-            "gpu_utilization": [g / self.config.total_gpus for g in self.allocated_gpus],
+            "gpu_utilization": self._utilization().tolist(),
             "active_jobs": self.active_jobs, "waiting_jobs": self.waiting_jobs,
             "avg_efficiency": [None if math.isnan(e) else e for e in self.avg_efficiency],
-            "solve_ms": self.solve_ms,
+            "solve_ms": self.solve_ms, "capacity_gpus": self.capacity_gpus,
         }
+        if self.config.autoscale is not None:
+            out["cluster_timeline"] = self.cluster
+            out["leases"] = self.leases
         return out
+
+
 
 
 def _interfered(jobs: Sequence[SimJob], cfg: SimConfig) -> set[int]:
@@ -594,7 +666,7 @@ def _interfered(jobs: Sequence[SimJob], cfg: SimConfig) -> set[int]:
     if cfg.interference <= 0:
         return set()
     dist = [j for j in jobs if len(j.placement) > 1 and j.completion_time is None]
-    per_node = np.zeros(cfg.nodes, dtype=int)
+    per_node = np.zeros(cfg.pool_nodes, dtype=int)
     for j in dist:
         per_node += j.alloc > 0
     return {j.index for j in dist if np.any(per_node[j.alloc > 0] > 1)}
@@ -632,7 +704,8 @@ def simulate(
                              f"the cluster has {cfg.total_gpus}; use a larger --nodes")
     t_wall = clock()
     jobs = [SimJob(s, traces[s.application], cfg, i) for i, s in enumerate(specs)]
-    nodes = [PolicyNode(f"node{n}", cfg.gpus_per_node) for n in range(cfg.nodes)]
+    pool = NodePool(cfg.pool_nodes, cfg.gpus_per_node, cfg.nodes, cfg.boot_time)
+    scaler = None if cfg.autoscale is None else SimAutoscaler(cfg.autoscale, policy, pool)
     result = SimResult(policy=policy_name or getattr(policy, "name", type(policy).__name__),
                        config=cfg, submit={j.name: j.spec.submit_time for j in jobs},
                        completion={}, application={j.name: j.spec.application for j in jobs},
@@ -647,7 +720,8 @@ def simulate(
         while len(result.completion) + len(result.dropped) < len(jobs):
             if cfg.horizon is not None and now >= cfg.horizon:
                 break
-            if not active and not waiting and nxt < len(pending):
+            if (not active and not waiting and nxt < len(pending)
+                    and (scaler is None or scaler.settled(now))):
                 # idle cluster: skip to the next arrival
                 # Rounds stay on the k * interval grid (k >= 1), as in the authors' simulator.
                 first = pending[nxt].spec.submit_time
@@ -676,14 +750,22 @@ def simulate(
                 waiting = _admit(waiting, active, cfg, now, result)
                 if len(result.dropped) + len(result.completion) > bar.n:
                     bar.update(len(result.dropped) + len(result.completion) - bar.n)
+            infos = [j.job_info(now) for j in active]
+            current = (np.stack([j.alloc for j in active]) if active
+                       else np.zeros((0, cfg.pool_nodes), dtype=int))
+            if scaler is not None:
+                scaler.step(now, infos, current, has_work=bool(active or waiting))
+                _record_cluster(result, pool, scaler, now, len(active))
             if not active:
                 continue
-            infos = [j.job_info(now) for j in active]
-            current = np.stack([j.alloc for j in active])
-            t0 = clock()
-            alloc = np.asarray(policy.optimize(infos, nodes, current), dtype=int)
-            result.solve_ms.append((clock() - t0) * 1e3)
-            _check(alloc, current.shape, cfg, infos)
+            slots, nodes = pool.policy_nodes(now)
+            alloc = np.zeros_like(current)
+            if nodes:
+                t0 = clock()
+                sub = np.asarray(policy.optimize(infos, nodes, current[:, slots]), dtype=int)
+                result.solve_ms.append((clock() - t0) * 1e3)
+                _check(sub, (len(active), len(nodes)), nodes, infos)
+                alloc[:, slots] = sub
             for job, row in zip(active, alloc, strict=True):
                 if not np.array_equal(row, job.alloc):
                     job.reallocate(row)
@@ -693,17 +775,35 @@ def simulate(
             eff = [j.true_efficiency() for j in active if j.placement]
             result.times.append(now)
             result.allocated_gpus.append(int(alloc.sum()))
+            result.capacity_gpus.append(sum(n.slots for n in nodes))
             result.active_jobs.append(len(active))
             result.waiting_jobs.append(len(waiting))
             result.avg_efficiency.append(float(np.mean(eff)) if eff else float("nan"))
             bar.set_postfix_str(f"t={now / 3600:.1f}h active={len(active)}"
-                                + (f" waiting={len(waiting)}" if waiting else ""),
+                                + (f" waiting={len(waiting)}" if waiting else "")
+                                + (f" nodes={len(pool.held())}" if scaler else ""),
                                 refresh=False)
     finally:
         bar.close()
     result.end_time = now
+    result.leases = [(lease.requested, lease.ready, lease.released) for lease in pool.leases]
+    if scaler is not None:
+        result.autoscale_decisions, result.whatif_solves = (scaler.decisions,
+                                                            scaler.whatif_solves)
     result.wall_s = clock() - t_wall
     return result
+
+
+def _record_cluster(result: SimResult, pool: NodePool, scaler: SimAutoscaler, now: float,
+                    active: int) -> None:
+    """One row of the cluster timeline (autoscale)."""
+    row = result.cluster
+    row["time"].append(now)
+    row["held"].append(len(pool.held()))
+    row["ready"].append(sum(not lease.draining for lease in pool.visible(now)))
+    row["target"].append(scaler.target)
+    row["active_jobs"].append(active)
+    row["utility"].append(None if math.isnan(scaler.utility) else scaler.utility)
 
 
 def _admit(waiting: list[SimJob], active: list[SimJob], cfg: SimConfig, now: float,
@@ -733,11 +833,13 @@ def _admit(waiting: list[SimJob], active: list[SimJob], cfg: SimConfig, now: flo
     return keep
 
 
-def _check(alloc: np.ndarray, shape, cfg: SimConfig, infos: Sequence[JobInfo]) -> None:
+def _check(alloc: np.ndarray, shape, nodes: Sequence[PolicyNode],
+           infos: Sequence[JobInfo]) -> None:
     """The simulator trusts no policy: wrong shapes or over-full nodes are bugs."""
     if alloc.shape != tuple(shape):
         raise RuntimeError(f"policy returned shape {alloc.shape}, expected {tuple(shape)}")
-    if np.any(alloc < 0) or np.any(alloc.sum(axis=0) > cfg.gpus_per_node):
+    slots = np.array([n.slots for n in nodes], dtype=int)
+    if np.any(alloc < 0) or np.any(alloc.sum(axis=0) > slots):
         raise RuntimeError("policy over-allocated a node or returned negative replicas")
     over = [i.name for i, row in zip(infos, alloc, strict=True) if row.sum() > i.max_replicas]
     if over:

@@ -288,3 +288,14 @@ def available_models(models_dir: Path | str = MODELS_DIR) -> list[str]:
     if not root.is_dir():
         raise ValueError(f"trace directory {root} does not exist")
     return sorted(p.name for p in root.iterdir() if (p / "placements.csv").is_file())
+
+
+def parse_numbers(text: str) -> list[int]:
+    """Workload numbers from ``"1-8"``, ``"1,3,5-6"`` or ``"none"`` (the benchmarks' flag)."""
+    if text.strip().lower() == "none":
+        return []
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out

@@ -1,0 +1,312 @@
+"""Cloud autoscaling in the trace simulator (Pollux Sec. 4.2.2 / 5.3.3).
+
+    python benchmarks/autoscale.py [--autoscale 1:16] [--gpus-per-node 4] [--boot-time 90]
+        [--utility-high 0.667] [--utility-low 0.5] [--scale-interval 60]
+        [--min-node-lifetime 300] [--rescale-models checkpoint-restart,live]
+        [--workloads 1-8] [--procs 2] [--output DIR]
+
+(a) The paper's experiment: one ImageNet job (trace model ``imagenet``, 90 epochs)
+starting on MIN nodes of 4 GPUs, grown and shrunk within MIN:MAX by Pollux's goodput rule
+and by the throughput-based rule (Or et al.: the same U/L rule on system-throughput
+speedups, blind to statistical efficiency). Both run the same Pollux scheduler and agent;
+only the rule differs. Reported: cost (node-hours, booting nodes included) and
+completion time of the goodput rule over the throughput rule's, beside a 16-node fixed
+cluster, other (L, U) bands for the goodput rule, and an *oracle bound* computed from the
+traces themselves: the least cost (relative to 16 nodes at each epoch's best GPU count)
+with which any per-epoch choice of cluster size can finish within 1.06x the time, by
+Lagrangian duality over the true goodput of every epoch at every size (it ignores
+rescale and boot costs and the jobs' learning, so real rules do worse).
+
+(b) Many jobs: the Pollux trace workloads (load 1.0, 160 jobs each) on an autoscaled
+cluster (``--autoscale``, starting at MIN, ``--autoscale-rule`` default goodput) against
+the fixed cluster of MAX nodes: total node-hours (a fixed cluster holds MAX nodes from
+t = 0 until its last job ends) and the mean over workloads of avg JCT.
+
+Rescale models: the first of ``--rescale-models`` gives the top-level figures (default
+checkpoint-restart: the paper's 30 s per change and 60 s rounds, as its autoscaling
+experiment ran); the others are reported under their names (``live``: the calibrated live
+rescale, 15 s rounds). Node boot time default 90 s (a node joins at the first round
+after it). About 6 minutes on 2 cores with the defaults. Progress goes to stderr, tables
+to stdout, and the LAST line is one JSON object::
+
+    {"imagenet": {"cost_ratio_vs_throughput_autoscaler": c,
+                  "jct_ratio_vs_throughput_autoscaler": t, ...},
+     "workloads": {"node_hours_ratio_vs_fixed": h, "avg_jct_ratio_vs_fixed": j, ...},
+     "live": {"imagenet": {...}, "workloads": {...}}, "goals": {...}, "setup": {...}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pollux_launch.arguments import (
+    OptionsError,
+    add_autoscale_arguments,
+    autoscale_from_args,
+    seconds_or_zero,
+)
+from pollux_launch.policy.autoscale import AutoscaleConfig
+from pollux_launch.policy.rescale_cost import RESCALE_MODELS
+from pollux_launch.sim.run import config_for, run_specs, run_workload
+from pollux_launch.sim.simulator import SimResult
+from pollux_launch.sim.traces import TRACES_DIR, ModelTrace, load_model, parse_numbers
+from pollux_launch.sim.workload import JobSpec
+
+JCT_BUDGET = 1.06  # the paper: 25 % cheaper at only 6 % longer
+COST_GOAL = 0.75
+# extra (L, U) bands tried for the goodput rule: the band is the rule's hysteresis
+SWEEP_BANDS = ((0.5, 0.6), (0.4, 0.5), (0.3, 0.4), (0.3, 2 / 3))
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _sizes(res: SimResult) -> str:
+    """The cluster's size changes as 'h:nodes' (hours)."""
+    out, last = [], None
+    for t, held in zip(res.cluster["time"], res.cluster["held"], strict=True):
+        if held != last:
+            out.append(f"{t / 3600:.2f}h:{held}")
+            last = held
+    return " ".join(out[:24]) + (" ..." if len(out) > 24 else "")
+
+
+def _imagenet_run(model: str, scale: AutoscaleConfig | None, nodes: int, gpn: int,
+                  boot: float) -> SimResult:
+    cfg = config_for(model, nodes=nodes, gpus_per_node=gpn, autoscale=scale, boot_time=boot)
+    return run_specs([JobSpec("imagenet-0", 0.0, "imagenet")], None, cfg)
+
+
+def imagenet(model: str, scale: AutoscaleConfig, gpn: int, boot: float,
+             out: Path | None) -> dict:
+    """Part (a): goodput vs throughput rule on one ImageNet job, plus a fixed cluster."""
+    start = max(scale.min_nodes, 1)
+    runs = {rule: _imagenet_run(model, dataclasses.replace(scale, rule=rule), start, gpn, boot)
+            for rule in ("goodput", "throughput")}
+    fixed = _imagenet_run(model, None, scale.max_nodes, gpn, boot)
+    g, t = runs["goodput"], runs["throughput"]
+    jct = {k: float(r.jcts["imagenet-0"]) for k, r in runs.items()}
+    for rule, res in runs.items():
+        _log(f"[{model}] imagenet {rule} rule: JCT {jct[rule]:.0f} s, "
+             f"{res.node_hours:.1f} node-h, {res.restarts['imagenet-0']} rescales; "
+             f"nodes {_sizes(res)}")
+    _log(f"[{model}] imagenet fixed {scale.max_nodes} nodes: JCT {fixed.jcts['imagenet-0']:.0f}"
+         f" s, {fixed.node_hours:.1f} node-h")
+    sweep = {}
+    for low, high in SWEEP_BANDS:
+        cfg = dataclasses.replace(scale, rule="goodput", low=low, high=high)
+        res = _imagenet_run(model, cfg, start, gpn, boot)
+        key = f"L={low:.3g},U={high:.3g}"
+        sweep[key] = {"cost_ratio": round(res.node_hours / t.node_hours, 4),
+                      "jct_ratio": round(float(res.jcts["imagenet-0"]) / jct["throughput"], 4)}
+        _log(f"[{model}] imagenet goodput rule {key}: {sweep[key]}; nodes {_sizes(res)}")
+    if out is not None:
+        from pollux_launch.sim.plots import plot_nodes
+
+        for rule, res in runs.items():
+            res.policy = f"{rule} rule"
+        plot_nodes(list(runs.values()), out / f"imagenet_{model}_nodes.png")
+    return {
+        "cost_ratio_vs_throughput_autoscaler": round(g.node_hours / t.node_hours, 4),
+        "jct_ratio_vs_throughput_autoscaler": round(jct["goodput"] / jct["throughput"], 4),
+        "node_hours": {"goodput": round(g.node_hours, 2), "throughput": round(t.node_hours, 2),
+                       f"fixed_{scale.max_nodes}": round(fixed.node_hours, 2)},
+        "jct_s": {**{k: round(v, 1) for k, v in jct.items()},
+                  f"fixed_{scale.max_nodes}": round(float(fixed.jcts["imagenet-0"]), 1)},
+        "rescales": {k: r.restarts["imagenet-0"] for k, r in runs.items()},
+        "goodput_rule_bands": sweep,
+    }
+
+
+def oracle_bound(trace: ModelTrace, gpn: int, max_nodes: int, budget: float = JCT_BUDGET,
+                 low: float = 0.5) -> dict:
+    """What the traces allow (module docstring): per epoch, the true best goodput on
+    ``n`` whole nodes (n * gpn GPUs, best per-GPU batch and accumulation, Pollux Eqn 6 and
+    the measured step times), then (1) the least node-hours of any per-epoch choice of n
+    finishing within ``budget`` x the time of ``max_nodes`` nodes (a Lagrangian lower
+    bound, both relative to ``max_nodes`` nodes), and (2) the ideal U/L rule (each epoch
+    on the largest n whose utility is at least ``low``)."""
+    ns = np.arange(1, max_nodes + 1)
+    ms = np.arange(trace.min_local_bsz, trace.max_local_bsz + 1)
+    steps = np.arange(0, 16)
+    m0, top = trace.init_batch_size, trace.max_batch_size
+    # step/sync time of every (nodes, m): whole nodes, gpn GPUs each
+    st = np.array([[trace.step_time((gpn,) * int(n), float(m)) for m in ms] for n in ns])
+    step, sync = st[..., 0], st[..., 1]
+    k = (ns * gpn)[:, None, None]
+    batch = k * ms[None, :, None] * (steps[None, None, :] + 1)
+    t_iter = step[..., None] + steps[None, None, :] * (step - sync)[..., None]
+    ok = (batch >= m0) & (batch <= top)
+    one_gpu = np.array([trace.step_time((1,), float(m)) for m in ms])
+    b1 = ms[:, None] * (steps[None, :] + 1)
+    t1 = one_gpu[:, 0, None] + steps[None, :] * (one_gpu[:, 0] - one_gpu[:, 1])[:, None]
+    ok1 = (b1 >= m0) & (b1 <= top)
+    times, utils = [], []
+    for e in range(trace.max_epochs):
+        work = trace.epoch_progress[e + 1] - trace.epoch_progress[e]
+        good = np.where(ok, trace.gain(np.clip(batch, m0, top), e) / t_iter, 0.0)
+        best = good.reshape(len(ns), -1).max(axis=1)  # M0-iterations/s on n nodes
+        g1 = np.where(ok1, trace.gain(np.clip(b1, m0, top), e) / t1, 0.0).max()
+        times.append(work / best)
+        utils.append(best / (g1 * ns * gpn))
+    times, utils = np.array(times), np.array(utils)  # epochs x sizes
+    cost = times * ns  # node-seconds
+    base_t, base_c = times[:, -1].sum(), cost[:, -1].sum()
+    bound = 0.0
+    for lam in np.geomspace(1e-2, 1e4, 400):  # weak duality: a lower bound for every lam
+        pick = np.argmin(cost + lam * times, axis=1)
+        rows = np.arange(len(pick))
+        val = cost[rows, pick].sum() + lam * (times[rows, pick].sum() - budget * base_t)
+        bound = max(bound, val / base_c)
+    rule = np.array([max(np.flatnonzero(u >= low), default=0) for u in utils])
+    rows = np.arange(len(rule))
+    return {
+        f"min_cost_ratio_within_{budget:g}x_time": round(float(bound), 4),
+        f"ideal_rule_L{low:g}": {
+            "cost_ratio": round(float(cost[rows, rule].sum() / base_c), 4),
+            "jct_ratio": round(float(times[rows, rule].sum() / base_t), 4)},
+    }
+
+
+def _workload_task(task) -> tuple:
+    k, model, scale, nodes, gpn, boot = task
+    t0 = time.perf_counter()
+    cfg = config_for(model, nodes=nodes, gpus_per_node=gpn, autoscale=scale, boot_time=boot)
+    res = run_workload(TRACES_DIR / "workloads" / f"workload-{k}.csv", None, cfg)
+    s = res.summary()
+    held = res.cluster["held"]
+    moves = int(np.count_nonzero(np.diff(held))) if held else 0
+    return (k, model, scale is not None, s["avg_jct"], res.node_hours, s["avg_nodes"], moves,
+            time.perf_counter() - t0)
+
+
+def workloads(models: list[str], ks: list[int], scale: AutoscaleConfig, gpn: int,
+              boot: float, procs: int) -> dict[str, dict]:
+    """Part (b): every workload x rescale model, autoscaled vs fixed at MAX nodes."""
+    start = max(scale.min_nodes, 1)
+    tasks = [(k, m, a, start if a else scale.max_nodes, gpn, boot)
+             for m in models for k in ks for a in (scale, None)]
+    got: dict[str, dict[int, dict[bool, tuple]]] = {m: {k: {} for k in ks} for m in models}
+    with multiprocessing.get_context("spawn").Pool(max(1, min(procs, 2))) as pool:
+        for row in pool.imap_unordered(_workload_task, tasks):
+            k, m, auto, jct, nh, avg_nodes, moves, wall = row
+            got[m][k][auto] = row
+            _log(f"[{m}] workload-{k} {'autoscaled' if auto else 'fixed'}: avg JCT {jct:.0f} s,"
+                 f" {nh:.1f} node-h (avg {avg_nodes:.1f} nodes"
+                 + (f", {moves} size changes" if auto else "") + f"), {wall:.0f} s wall")
+    out = {}
+    for m in models:
+        per = {}
+        for k in ks:
+            a, f = got[m][k][True], got[m][k][False]
+            per[f"workload-{k}"] = {
+                "avg_jct": {"autoscaled": round(a[3], 1), "fixed": round(f[3], 1)},
+                "node_hours": {"autoscaled": round(a[4], 2), "fixed": round(f[4], 2)},
+                "jct_ratio": round(a[3] / f[3], 4), "node_hours_ratio": round(a[4] / f[4], 4),
+                "size_changes": a[6]}
+        jct_a = np.mean([got[m][k][True][3] for k in ks])
+        jct_f = np.mean([got[m][k][False][3] for k in ks])
+        nh_a = sum(got[m][k][True][4] for k in ks)
+        nh_f = sum(got[m][k][False][4] for k in ks)
+        out[m] = {"node_hours_ratio_vs_fixed": round(nh_a / nh_f, 4),
+                  "avg_jct_ratio_vs_fixed": round(float(jct_a / jct_f), 4),
+                  "max_workload_jct_ratio": max(v["jct_ratio"] for v in per.values()),
+                  "node_hours": {"autoscaled": round(nh_a, 1), "fixed": round(nh_f, 1)},
+                  "mean_avg_jct": {"autoscaled": round(float(jct_a), 1),
+                                   "fixed": round(float(jct_f), 1)},
+                  "per_workload": per}
+    return out
+
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_autoscale_arguments(ap)
+    ap.set_defaults(autoscale=(1, 16))
+    ap.add_argument("--gpus-per-node", type=int, default=4)
+    ap.add_argument("--boot-time", type=seconds_or_zero, default=90.0, metavar="S")
+    ap.add_argument("--rescale-models", default="checkpoint-restart,live",
+                    help=f"comma list of {', '.join(RESCALE_MODELS)}; the first gives the "
+                         "top-level figures")
+    ap.add_argument("--workloads", default="1-8", help="e.g. 1-8 or 1,3,5 ('none': skip)")
+    ap.add_argument("--procs", type=int, default=2, help="parallel simulations (max 2)")
+    ap.add_argument("--output", metavar="DIR", default=None, help="also write PNG plots")
+    args = ap.parse_args(argv)
+    try:
+        scale = autoscale_from_args(args)
+        ks = [] if args.workloads == "none" else parse_numbers(args.workloads)
+    except (OptionsError, ValueError) as exc:
+        ap.error(str(exc))
+    models = [m.strip() for m in args.rescale_models.split(",") if m.strip()]
+    if not models or any(m not in RESCALE_MODELS for m in models):
+        ap.error(f"--rescale-models: choose from {', '.join(RESCALE_MODELS)}")
+    out = Path(args.output) if args.output else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    gpn, boot = args.gpus_per_node, args.boot_time
+    t0 = time.perf_counter()
+    _log(f"(a) one ImageNet job, --autoscale {scale.min_nodes}:{scale.max_nodes} x {gpn} "
+         f"GPUs, boot {boot:g} s, U={scale.high:.3g} L={scale.low:.3g}")
+    parts = {m: {"imagenet": imagenet(m, scale, gpn, boot, out)} for m in models}
+    oracle = oracle_bound(load_model("imagenet"), gpn, scale.max_nodes, low=scale.low)
+    _log(f"oracle (true goodput per epoch, no rescale/boot costs): {oracle}")
+    for m in models:
+        parts[m]["imagenet"]["oracle"] = oracle
+    if ks:
+        _log(f"(b) workloads {args.workloads} at load 1.0: autoscaled "
+             f"{scale.min_nodes}:{scale.max_nodes} ({scale.rule} rule) vs fixed "
+             f"{scale.max_nodes} nodes")
+        for m, entry in workloads(models, ks, scale, gpn, boot, args.procs).items():
+            parts[m]["workloads"] = entry
+    print()
+    for m in models:
+        im = parts[m]["imagenet"]
+        cost, jct = (im["cost_ratio_vs_throughput_autoscaler"],
+                     im["jct_ratio_vs_throughput_autoscaler"])
+        print(f"[{m}] ImageNet: goodput rule costs {cost:.3f} x the throughput rule's node-hours"
+              f" at {jct:.3f} x its completion time (node-h {im['node_hours']}, JCT "
+              f"{im['jct_s']})")
+        if "workloads" in parts[m]:
+            w = parts[m]["workloads"]
+            print(f"[{m}] workloads: autoscaled {w['node_hours_ratio_vs_fixed']:.3f} x the fixed "
+                  f"cluster's node-hours, avg JCT {w['avg_jct_ratio_vs_fixed']:.3f} x "
+                  f"(worst workload {w['max_workload_jct_ratio']:.3f} x)")
+            for name, v in w["per_workload"].items():
+                print(f"    {name}: node-h {v['node_hours']['autoscaled']:.1f} vs "
+                      f"{v['node_hours']['fixed']:.1f}, avg JCT {v['avg_jct']['autoscaled']:.0f}"
+                      f" vs {v['avg_jct']['fixed']:.0f} s, {v['size_changes']} size changes")
+    print(f"oracle bound: {oracle}")
+    first = parts[models[0]]
+    im = first["imagenet"]
+    goals = {"imagenet_cost_and_time": bool(
+        im["cost_ratio_vs_throughput_autoscaler"] <= COST_GOAL
+        and im["jct_ratio_vs_throughput_autoscaler"] <= JCT_BUDGET)}
+    if "workloads" in first:
+        w = first["workloads"]
+        goals["workloads_cheaper_within_10pct_jct"] = bool(
+            w["node_hours_ratio_vs_fixed"] < 1.0 and w["avg_jct_ratio_vs_fixed"] <= 1.10)
+    summary = {**first,
+               **{m: parts[m] for m in models[1:]},
+               "goals": goals,
+               "setup": {"rescale_model": models[0], "autoscale": [scale.min_nodes,
+                                                                  scale.max_nodes],
+                         "gpus_per_node": gpn, "boot_time": boot, "utility_high": scale.high,
+                         "utility_low": scale.low, "scale_interval": scale.interval,
+                         "min_node_lifetime": scale.min_lifetime,
+                         "workloads_rule": scale.rule, "workloads": ks},
+               "total_wall_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
