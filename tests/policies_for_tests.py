@@ -19,12 +19,31 @@ from __future__ import annotations
 
 import json
 import os
+from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from pollux_launch.elastic import AdaptationPolicy, PolicyContext
 
 PLAN: dict[str, Any] = {"propose_at": 3, "batch": [40, 96], "lr": [0.5, 2.0],
                         "stop_r1_at": 6, "stop_at": 11}
+
+
+# what Probe's collectives at the start must give on 2 ranks (rank-dependent inputs)
+EXPECTED_COLLECTIVES = {
+    "sum": 3.0, "mean": 1.5, "max": 2.0, "min": 1.0, "vec_sum": [1.0, 12.0],
+    "gather": [0.0, 10.0], "gather_rows": [[0.0, 7.0], [1.0, 8.0]],
+    "bcast0": 100.0, "bcast1": 200.0, "bcast1_vec": [1.0, -1.5]}
+
+
+def read_logs(log_dir: Path, prefix: str) -> dict[int, list[dict]]:
+    """Each worker's JSON lines by rank (one process per rank: no rescale here)."""
+    by_rank: dict[int, list[dict]] = defaultdict(list)
+    for f in sorted(log_dir.glob(f"{prefix}-*.jsonl")):
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line]
+        assert recs and len({r["rank"] for r in recs}) == 1, f
+        by_rank[recs[0]["rank"]] += recs
+    return dict(by_rank)
 
 
 def _log_file(prefix: str) -> Any:

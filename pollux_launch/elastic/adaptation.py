@@ -365,9 +365,7 @@ class PolicyContext:
             return self.world_size * p.local_bsz * ((p.accum_steps or 0) + 1)
         if p.batch_size is not None:
             return p.batch_size
-        if p.accum_steps is not None:
-            return self.batch_size
-        return self.batch_size
+        return self.batch_size  # (accumulation alone keeps the total)
 
     def set_batch_size(self, total: int) -> None:
         """A total batch per optimiser step; the controller picks ``(m, s)`` for it."""

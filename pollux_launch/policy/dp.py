@@ -49,6 +49,7 @@ from pollux_launch.policy.base import JobInfo, Policy, PolicyNode
 from pollux_launch.policy.objective import (
     Objective,
     call_speedup,
+    check_delta,
     check_p,
     fair_share,
     fitness,
@@ -167,9 +168,7 @@ class DPPolicy(Policy):
         room_budget: int = 2048,
     ) -> None:
         self.p = check_p(p)
-        if delta < 0:
-            raise ValueError(f"re-allocation delay delta={delta} must be >= 0 seconds")
-        self.delta = float(delta)
+        self.delta = check_delta(delta)
         self.interference_avoidance = bool(interference_avoidance)
         self.seed = seed  # deterministic engine; accepted for a uniform interface
         self.full_dp_budget = int(full_dp_budget)

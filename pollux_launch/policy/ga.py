@@ -32,7 +32,7 @@ from pymoo.util.nds.non_dominated_sorting import NonDominatedSorting
 from pymoo.util.randomized_argsort import randomized_argsort
 
 from pollux_launch.policy.base import JobInfo, Policy, PolicyNode
-from pollux_launch.policy.objective import Objective, check_p, fair_share, fitness
+from pollux_launch.policy.objective import Objective, check_delta, check_p, fair_share, fitness
 from pollux_launch.policy.placement import pinned_jobs, validate_round
 
 #: pymoo's defaults for ``Crossover.prob`` and ``InfillCriterion.n_max_iterations``.
@@ -226,8 +226,7 @@ class GAPolicy(Policy):
         n_gen: int = 100,
     ) -> None:
         self.p = check_p(p)
-        if delta < 0:
-            raise ValueError(f"re-allocation delay delta={delta} must be >= 0 seconds")
+        check_delta(delta)
         if pop_size < 2 or n_gen < 1:
             raise ValueError("pollux-ga needs pop_size >= 2 and n_gen >= 1")
         self.delta = float(delta)

@@ -27,6 +27,13 @@ SPEEDUP_EPS = 1e-3
 _MEMO_BUDGET = 2_000_000
 
 
+def check_delta(delta: float) -> float:
+    """Validate the re-allocation delay (the penalty's delta, seconds)."""
+    if not delta >= 0:
+        raise ValueError(f"re-allocation delay delta={delta} must be >= 0 seconds")
+    return float(delta)
+
+
 def check_p(p: float) -> float:
     """Validate the fairness knob of Eqn 14."""
     p = float(p)

@@ -56,7 +56,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pollux_launch.policy.base import JobInfo, Policy, PolicyNode, SpeedupFn
-from pollux_launch.policy.objective import check_p, packed_nodes
+from pollux_launch.policy.objective import check_delta, check_p, packed_nodes
 from pollux_launch.policy.placement import (
     distributed_per_node,
     pinned_jobs,
@@ -134,8 +134,7 @@ class SaxenaDPPolicy(Policy):
         normalize: bool = False,
     ) -> None:
         check_p(p)
-        if delta < 0:
-            raise ValueError(f"re-allocation delay delta={delta} must be >= 0 seconds")
+        check_delta(delta)
         self.interference_avoidance = bool(interference_avoidance)
         self.seed = seed
         self.normalize = bool(normalize)

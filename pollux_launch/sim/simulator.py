@@ -340,8 +340,8 @@ class SimJob:
         None while it has no model or is still profiling."""
         if self.perf_params is None or self.profile_plan or not self.cfg.adaptive:
             return None
-        if id(self.perf_params) != self._throughput_key:
-            self._throughput_key = id(self.perf_params)
+        if self.perf_params is not self._throughput_key:
+            self._throughput_key = self.perf_params
             self._throughput_fn = ThroughputFunction(
                 self.perf_params, min_batch_size=self.min_batch,
                 max_batch_size=self.max_batch, local_bsz_bounds=self.bsz_bounds,

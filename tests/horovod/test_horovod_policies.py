@@ -21,14 +21,13 @@ starts at the first ``before_epoch``) behaves the same.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from policies_for_tests import EXPECTED_COLLECTIVES, read_logs  # (tests/ is on the path)
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/install-horovod.sh")
 
@@ -36,15 +35,6 @@ REPO = Path(__file__).parents[2]
 WORKER = Path(__file__).with_name("policy_worker.py")
 POLLUX_RUN = str(Path(sys.executable).with_name("pollux-run"))
 
-
-def read_logs(log_dir: Path, prefix: str) -> dict[int, list[dict]]:
-    """Each worker's JSON lines by rank (one process per rank: no rescale here)."""
-    by_rank: dict[int, list[dict]] = defaultdict(list)
-    for f in sorted(log_dir.glob(f"{prefix}-*.jsonl")):
-        recs = [json.loads(line) for line in f.read_text().splitlines() if line]
-        assert recs and len({r["rank"] for r in recs}) == 1, f
-        by_rank[recs[0]["rank"]] += recs
-    return dict(by_rank)
 
 
 @pytest.mark.parametrize("elastic", [True, False], ids=["hvd-elastic", "no-hvd-elastic"])
@@ -89,10 +79,7 @@ def test_policies_run_on_every_rank_and_rank0_decides_for_all(tmp_path, elastic)
     # 2. the context's collectives over Horovod, rank-dependent inputs
     for rank in (0, 1):
         [start] = [r for r in policy[rank] if r["ev"] == "rescale"]
-        assert start["got"] == {
-            "sum": 3.0, "mean": 1.5, "max": 2.0, "min": 1.0, "vec_sum": [1.0, 12.0],
-            "gather": [0.0, 10.0], "gather_rows": [[0.0, 7.0], [1.0, 8.0]],
-            "bcast0": 100.0, "bcast1": 200.0, "bcast1_vec": [1.0, -1.5]}, start
+        assert start["got"] == EXPECTED_COLLECTIVES, start
 
     # 3. the ranks disagreed; rank 0's proposal applied on both at step 4's decision
     proposed = {rank: [(r["step"], r["batch_size"], r["lr_factor"])
