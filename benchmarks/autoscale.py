@@ -7,15 +7,19 @@
 
 (a) The paper's experiment: one ImageNet job (trace model ``imagenet``, 90 epochs)
 starting on MIN nodes of 4 GPUs, grown and shrunk within MIN:MAX by Pollux's goodput rule
-and by the throughput-based rule (Or et al.: the same U/L rule on system-throughput
-speedups, blind to statistical efficiency). Both run the same Pollux scheduler and agent;
-only the rule differs. Reported: cost (node-hours, booting nodes included) and
-completion time of the goodput rule over the throughput rule's, beside a 16-node fixed
-cluster, other (L, U) bands for the goodput rule, and an *oracle bound* computed from the
+(the Pollux agent picks the batch) against Or et al.'s autoscaler (MLSys'20): the same
+U/L rule on system-throughput speedups, with the *total batch fixed* as their engine
+keeps it (workers split it), at ``--baseline-per-gpu`` (default 96, the middle of the
+64-128 images per GPU they name as usual) per GPU of the largest cluster. Reported: cost
+(node-hours, booting nodes included) and completion time of the goodput rule over the
+baseline's; the same at other baseline batches (64-128 per GPU); against a stronger
+baseline than the paper's, the throughput rule with the Pollux agent (adaptive batch);
+a 16-node fixed cluster; other (L, U) bands; and an *oracle bound* computed from the
 traces themselves: the least cost (relative to 16 nodes at each epoch's best GPU count)
 with which any per-epoch choice of cluster size can finish within 1.06x the time, by
 Lagrangian duality over the true goodput of every epoch at every size (it ignores
-rescale and boot costs and the jobs' learning, so real rules do worse).
+rescale and boot costs and the jobs' learning, so real rules do worse). It bounds what
+any rule can do against the same-agent baseline, which runs at about the fixed cluster.
 
 (b) Many jobs: the Pollux trace workloads (load 1.0, 160 jobs each) on an autoscaled
 cluster (``--autoscale``, starting at MIN, ``--autoscale-rule`` default goodput) against
@@ -30,7 +34,8 @@ after it). About 6 minutes on 2 cores with the defaults. Progress goes to stderr
 to stdout, and the LAST line is one JSON object::
 
     {"imagenet": {"cost_ratio_vs_throughput_autoscaler": c,
-                  "jct_ratio_vs_throughput_autoscaler": t, ...},
+                  "jct_ratio_vs_throughput_autoscaler": t, "vs_same_agent_throughput_rule":
+                  {...}, "vs_other_baseline_batches": {...}, ...},
      "workloads": {"node_hours_ratio_vs_fixed": h, "avg_jct_ratio_vs_fixed": j, ...},
      "live": {"imagenet": {...}, "workloads": {...}}, "goals": {...}, "setup": {...}}
 """
@@ -64,6 +69,9 @@ JCT_BUDGET = 1.06  # the paper: 25 % cheaper at only 6 % longer
 COST_GOAL = 0.75
 # extra (L, U) bands tried for the goodput rule: the band is the rule's hysteresis
 SWEEP_BANDS = ((0.5, 0.6), (0.4, 0.5), (0.3, 0.4), (0.3, 2 / 3))
+# Or et al. keep the total batch fixed (workers split it); users size it at 64-128 images
+# per GPU of the largest cluster they expect (their Sec. 1). Default: 96, the middle.
+BASELINE_PER_GPU = (64, 80, 96, 112, 128)
 
 
 def _log(text: str) -> None:
@@ -81,22 +89,33 @@ def _sizes(res: SimResult) -> str:
 
 
 def _imagenet_run(model: str, scale: AutoscaleConfig | None, nodes: int, gpn: int,
-                  boot: float) -> SimResult:
+                  boot: float, batch: int | None = None) -> SimResult:
+    """One ImageNet job; ``batch``: a fixed total batch size (Or et al.), else adaptive."""
     cfg = config_for(model, nodes=nodes, gpus_per_node=gpn, autoscale=scale, boot_time=boot)
-    return run_specs([JobSpec("imagenet-0", 0.0, "imagenet")], None, cfg)
+    spec = JobSpec("imagenet-0", 0.0, "imagenet", min_batch_size=batch, max_batch_size=batch)
+    return run_specs([spec], None, cfg)
 
 
-def imagenet(model: str, scale: AutoscaleConfig, gpn: int, boot: float,
+def _ratios(res: SimResult, base: SimResult) -> dict[str, float]:
+    return {"cost_ratio": round(res.node_hours / base.node_hours, 4),
+            "jct_ratio": round(float(res.jcts["imagenet-0"] / base.jcts["imagenet-0"]), 4)}
+
+
+def imagenet(model: str, scale: AutoscaleConfig, gpn: int, boot: float, per_gpu: int,
              out: Path | None) -> dict:
-    """Part (a): goodput vs throughput rule on one ImageNet job, plus a fixed cluster."""
+    """Part (a): the goodput rule vs Or et al.'s autoscaler (and the same-agent
+    throughput rule), plus a fixed cluster, other bands and other baseline batches."""
     start = max(scale.min_nodes, 1)
-    runs = {rule: _imagenet_run(model, dataclasses.replace(scale, rule=rule), start, gpn, boot)
-            for rule in ("goodput", "throughput")}
+    thr = dataclasses.replace(scale, rule="throughput")
+    batch = per_gpu * scale.max_nodes * gpn
+    runs = {"goodput rule": _imagenet_run(model, dataclasses.replace(scale, rule="goodput"),
+                                          start, gpn, boot),
+            f"Or et al. (batch {batch})": _imagenet_run(model, thr, start, gpn, boot, batch),
+            "throughput rule, Pollux agent": _imagenet_run(model, thr, start, gpn, boot)}
+    g, o, t = runs.values()
     fixed = _imagenet_run(model, None, scale.max_nodes, gpn, boot)
-    g, t = runs["goodput"], runs["throughput"]
-    jct = {k: float(r.jcts["imagenet-0"]) for k, r in runs.items()}
-    for rule, res in runs.items():
-        _log(f"[{model}] imagenet {rule} rule: JCT {jct[rule]:.0f} s, "
+    for name, res in runs.items():
+        _log(f"[{model}] imagenet {name}: JCT {res.jcts['imagenet-0']:.0f} s, "
              f"{res.node_hours:.1f} node-h, {res.restarts['imagenet-0']} rescales; "
              f"nodes {_sizes(res)}")
     _log(f"[{model}] imagenet fixed {scale.max_nodes} nodes: JCT {fixed.jcts['imagenet-0']:.0f}"
@@ -106,23 +125,36 @@ def imagenet(model: str, scale: AutoscaleConfig, gpn: int, boot: float,
         cfg = dataclasses.replace(scale, rule="goodput", low=low, high=high)
         res = _imagenet_run(model, cfg, start, gpn, boot)
         key = f"L={low:.3g},U={high:.3g}"
-        sweep[key] = {"cost_ratio": round(res.node_hours / t.node_hours, 4),
-                      "jct_ratio": round(float(res.jcts["imagenet-0"]) / jct["throughput"], 4)}
+        sweep[key] = {"vs_or_et_al": _ratios(res, o), "vs_same_agent": _ratios(res, t)}
         _log(f"[{model}] imagenet goodput rule {key}: {sweep[key]}; nodes {_sizes(res)}")
+    batches = {}
+    for each in BASELINE_PER_GPU:
+        res = _imagenet_run(model, thr, start, gpn, boot, each * scale.max_nodes * gpn)
+        batches[f"{each}_per_gpu"] = _ratios(g, res)
+        _log(f"[{model}] Or et al. at {each}/GPU x {scale.max_nodes * gpn} GPUs: goodput rule "
+             f"{batches[f'{each}_per_gpu']}; baseline nodes {_sizes(res)}")
+    met = sum(v["cost_ratio"] <= COST_GOAL and v["jct_ratio"] <= JCT_BUDGET
+              for v in batches.values())
     if out is not None:
         from pollux_launch.sim.plots import plot_nodes
 
-        for rule, res in runs.items():
-            res.policy = f"{rule} rule"
+        for name, res in runs.items():
+            res.policy = name
         plot_nodes(list(runs.values()), out / f"imagenet_{model}_nodes.png")
+    main = _ratios(g, o)
     return {
-        "cost_ratio_vs_throughput_autoscaler": round(g.node_hours / t.node_hours, 4),
-        "jct_ratio_vs_throughput_autoscaler": round(jct["goodput"] / jct["throughput"], 4),
-        "node_hours": {"goodput": round(g.node_hours, 2), "throughput": round(t.node_hours, 2),
-                       f"fixed_{scale.max_nodes}": round(fixed.node_hours, 2)},
-        "jct_s": {**{k: round(v, 1) for k, v in jct.items()},
-                  f"fixed_{scale.max_nodes}": round(float(fixed.jcts["imagenet-0"]), 1)},
-        "rescales": {k: r.restarts["imagenet-0"] for k, r in runs.items()},
+        "cost_ratio_vs_throughput_autoscaler": main["cost_ratio"],
+        "jct_ratio_vs_throughput_autoscaler": main["jct_ratio"],
+        "baseline": f"Or et al.: throughput rule, total batch fixed at {batch} "
+                    f"({per_gpu}/GPU on {scale.max_nodes * gpn} GPUs)",
+        "vs_same_agent_throughput_rule": _ratios(g, t),
+        "vs_other_baseline_batches": batches,
+        "baseline_batches_meeting_goal": f"{met}/{len(batches)}",
+        "node_hours": {name: round(r.node_hours, 2) for name, r in runs.items()}
+        | {f"fixed_{scale.max_nodes}": round(fixed.node_hours, 2)},
+        "jct_s": {name: round(float(r.jcts["imagenet-0"]), 1) for name, r in runs.items()}
+        | {f"fixed_{scale.max_nodes}": round(float(fixed.jcts["imagenet-0"]), 1)},
+        "rescales": {name: r.restarts["imagenet-0"] for name, r in runs.items()},
         "goodput_rule_bands": sweep,
     }
 
@@ -234,6 +266,8 @@ def main(argv=None) -> int:
     ap.set_defaults(autoscale=(1, 16))
     ap.add_argument("--gpus-per-node", type=int, default=4)
     ap.add_argument("--boot-time", type=seconds_or_zero, default=90.0, metavar="S")
+    ap.add_argument("--baseline-per-gpu", type=int, default=96, metavar="B",
+                    help="Or et al.'s fixed total batch, per GPU of the largest cluster")
     ap.add_argument("--rescale-models", default="checkpoint-restart,live",
                     help=f"comma list of {', '.join(RESCALE_MODELS)}; the first gives the "
                          "top-level figures")
@@ -246,6 +280,13 @@ def main(argv=None) -> int:
         ks = [] if args.workloads == "none" else parse_numbers(args.workloads)
     except (OptionsError, ValueError) as exc:
         ap.error(str(exc))
+    top = load_model("imagenet")
+    if not (top.min_local_bsz <= args.baseline_per_gpu
+            and top.init_batch_size < args.baseline_per_gpu * scale.max_nodes
+            * args.gpus_per_node <= top.max_batch_size):
+        ap.error(f"--baseline-per-gpu: the total batch (B x {scale.max_nodes} x "
+                 f"{args.gpus_per_node} GPUs) must lie in ({top.init_batch_size}, "
+                 f"{top.max_batch_size}] and B >= {top.min_local_bsz}")
     models = [m.strip() for m in args.rescale_models.split(",") if m.strip()]
     if not models or any(m not in RESCALE_MODELS for m in models):
         ap.error(f"--rescale-models: choose from {', '.join(RESCALE_MODELS)}")
@@ -256,7 +297,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     _log(f"(a) one ImageNet job, --autoscale {scale.min_nodes}:{scale.max_nodes} x {gpn} "
          f"GPUs, boot {boot:g} s, U={scale.high:.3g} L={scale.low:.3g}")
-    parts = {m: {"imagenet": imagenet(m, scale, gpn, boot, out)} for m in models}
+    parts = {m: {"imagenet": imagenet(m, scale, gpn, boot, args.baseline_per_gpu, out)}
+             for m in models}
     oracle = oracle_bound(load_model("imagenet"), gpn, scale.max_nodes, low=scale.low)
     _log(f"oracle (true goodput per epoch, no rescale/boot costs): {oracle}")
     for m in models:
@@ -272,9 +314,10 @@ def main(argv=None) -> int:
         im = parts[m]["imagenet"]
         cost, jct = (im["cost_ratio_vs_throughput_autoscaler"],
                      im["jct_ratio_vs_throughput_autoscaler"])
-        print(f"[{m}] ImageNet: goodput rule costs {cost:.3f} x the throughput rule's node-hours"
-              f" at {jct:.3f} x its completion time (node-h {im['node_hours']}, JCT "
-              f"{im['jct_s']})")
+        print(f"[{m}] ImageNet: goodput rule costs {cost:.3f} x the node-hours of {im['baseline']}"
+              f" at {jct:.3f} x its completion time; vs the same-agent throughput rule "
+              f"{im['vs_same_agent_throughput_rule']}; vs Or et al. at other batches "
+              f"{im['vs_other_baseline_batches']} (node-h {im['node_hours']}, JCT {im['jct_s']})")
         if "workloads" in parts[m]:
             w = parts[m]["workloads"]
             print(f"[{m}] workloads: autoscaled {w['node_hours_ratio_vs_fixed']:.3f} x the fixed "
@@ -299,7 +342,8 @@ def main(argv=None) -> int:
                "goals": goals,
                "setup": {"rescale_model": models[0], "autoscale": [scale.min_nodes,
                                                                   scale.max_nodes],
-                         "gpus_per_node": gpn, "boot_time": boot, "utility_high": scale.high,
+                         "gpus_per_node": gpn, "boot_time": boot,
+                         "baseline_per_gpu": args.baseline_per_gpu, "utility_high": scale.high,
                          "utility_low": scale.low, "scale_interval": scale.interval,
                          "min_node_lifetime": scale.min_lifetime,
                          "workloads_rule": scale.rule, "workloads": ks},

@@ -4,7 +4,9 @@ Each coordinator round calls :meth:`Autoscaler.round` before the policy runs. Ev
 ``interval`` seconds it decides how many nodes the cluster should have
 (:func:`pollux_launch.policy.autoscale.target_nodes`, the utility of each size computed
 by solving the round's jobs on that many nodes of the cluster's size with a separate
-policy instance, so the live policy's warm start is untouched), then:
+policy instance, so the live policy's warm start is untouched; the jobs are seen through
+:class:`~pollux_launch.policy.autoscale.RuleView`, so ``--autoscale-rule throughput``
+solves and scores them by system throughput alone), then:
 
 * grows: a node being drained is kept first (cheaper than a new one); the rest are asked
   of the provisioner, and count as booting until they register (or ``boot_timeout``);
@@ -31,7 +33,7 @@ import numpy as np
 
 from ..messages import AutoscaleStatus, NodeInfo
 from ..policy import JobInfo, PolicyNode
-from ..policy.autoscale import AutoscaleConfig, target_nodes, utility
+from ..policy.autoscale import AutoscaleConfig, RuleView, target_nodes, utility
 from .provisioners import Provisioner, ProvisionerError
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class Autoscaler:
         self.cfg, self.provisioner, self.solve, self.clock = cfg, provisioner, solve, clock
         self.slots, self.boot_timeout = slots, boot_timeout
         self.status: AutoscaleStatus | None = None
+        self._view = RuleView(cfg.rule)
         self._booting: list[float] = []  # when each node asked for and not joined was asked
         self._draining: dict[str, float] = {}  # node -> since
         self._releasing: set[str] = set()  # handed to the provisioner's down
@@ -106,6 +109,7 @@ class Autoscaler:
         active = [n for n in present if n not in self._draining]
         current = len(active) + len(self._booting)
         memo: dict[int, float] = {}
+        jobs = self._view(jobs)
 
         def utility_at(k: int) -> float:
             if k not in memo:

@@ -19,12 +19,17 @@ stays: the band is the hysteresis (the coordinator adds a minimum node lifetime)
 cluster with work never shrinks below one node, and one with none goes to its minimum.
 
 ``rule="throughput"`` is the baseline (Or et al., MLSys'20): the same rule on speedups of
-system throughput alone, blind to statistical efficiency (the caller builds the jobs'
-speedups that way).
+system throughput alone, blind to statistical efficiency. :class:`RuleView` gives the
+jobs as a rule sees them: as they are for ``goodput``; for ``throughput`` each job's
+speedup is its :class:`~pollux_launch.goodput.ThroughputFunction` (samples/s at the best
+batch in its range, ``JobInfo.throughput_fn``) over its value on 1 GPU, and a job
+without a throughput model keeps its speedup (the linear prior, before it has one). The
+simulator and the coordinator both decide through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +66,44 @@ class AutoscaleConfig:
         if self.rule not in RULES:
             raise ValueError(f"autoscale rule must be one of {', '.join(RULES)}, got "
                              f"{self.rule!r}")
+
+
+class _RelativeThroughput:
+    """A job's system-throughput speedup: its throughput function over its 1-GPU value."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.ref = float(np.asarray(fn(np.array([1]), np.array([1])))[0])
+
+    def __call__(self, num_nodes, num_replicas) -> np.ndarray:
+        return np.asarray(self.fn(num_nodes, num_replicas), dtype=float) / self.ref
+
+
+class RuleView:
+    """The jobs as ``rule`` sees them (module docstring). Keeps each job's 1-GPU
+    throughput until its model changes, so a decision's what-ifs do not recompute it."""
+
+    def __init__(self, rule: str) -> None:
+        if rule not in RULES:
+            raise ValueError(f"autoscale rule must be one of {', '.join(RULES)}, got {rule!r}")
+        self.rule = rule
+        self._rel: dict[str, _RelativeThroughput] = {}
+
+    def __call__(self, jobs: Sequence[JobInfo]) -> list[JobInfo]:
+        if self.rule == "goodput":
+            return list(jobs)
+        out = []
+        for job in jobs:
+            fn = job.throughput_fn
+            rel = self._rel.get(job.name)
+            if fn is not None and (rel is None or rel.fn is not fn):
+                rel = self._rel[job.name] = _RelativeThroughput(fn)
+            usable = fn is not None and rel is not None and rel.ref > 0
+            out.append(dataclasses.replace(job, speedup_fn=rel) if usable else job)
+        names = {j.name for j in jobs}
+        for gone in [k for k in self._rel if k not in names]:
+            del self._rel[gone]
+        return out
 
 
 def utility(jobs: Sequence[JobInfo], alloc: np.ndarray, *, gpus: int) -> float:

@@ -19,12 +19,10 @@ state, start from the live allocation on the nodes that would be kept (the most 
 first) and are memoised within a decision. Jobs keep their exploration cap (2x the most
 GPUs they have run on) in what-ifs, as the policy would apply it.
 
-Rule ``goodput`` (Pollux): the jobs' speedups are their goodput speedups, as the policy
-sees them. Rule ``throughput`` (Or et al.'s baseline): in the what-if solves and the
-utility every job's speedup is its *system throughput* speedup, its
-:class:`~pollux_launch.goodput.ThroughputFunction` (samples/s at the best batch in its
-range, no statistical efficiency) divided by its value on 1 GPU; a job without a model
-yet keeps its linear prior. The live policy schedules with goodput either way.
+The rule (``goodput`` or ``throughput``) sees the jobs through
+:class:`~pollux_launch.policy.autoscale.RuleView`: with ``throughput`` the what-if solves
+and the utility use system-throughput speedups. The live policy schedules with goodput
+either way.
 
 Shrinking releases the emptiest nodes, the youngest first among equals, and never a
 node younger than ``min_lifetime`` (counted from when it joined) or one still booting;
@@ -35,14 +33,13 @@ first cancels drains, then requests new nodes.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pollux_launch.policy import JobInfo, Policy, PolicyNode
-from pollux_launch.policy.autoscale import AutoscaleConfig, target_nodes, utility
+from pollux_launch.policy.autoscale import AutoscaleConfig, RuleView, target_nodes, utility
 
 EPS = 1e-6  # seconds: tolerance on the round grid
 
@@ -141,17 +138,6 @@ class NodePool:
         del self._held[lease.slot]
 
 
-class _RelativeThroughput:
-    """A job's system-throughput speedup: its ThroughputFunction over its 1-GPU value."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-        self.ref = float(fn(np.array([1]), np.array([1]))[0])
-
-    def __call__(self, num_nodes, num_replicas) -> np.ndarray:
-        return np.asarray(self.fn(num_nodes, num_replicas), dtype=float) / self.ref
-
-
 class SimAutoscaler:
     """Decides the cluster size every ``cfg.interval`` seconds (module docstring)."""
 
@@ -163,7 +149,7 @@ class SimAutoscaler:
         self.utility = float("nan")
         self.decisions = 0
         self.whatif_solves = 0
-        self._throughput: dict[str, _RelativeThroughput] = {}
+        self._view = RuleView(cfg.rule)
 
     def settled(self, now: float) -> bool:
         """Nothing left to do on an idle cluster: at the minimum, none booting/draining."""
@@ -181,7 +167,7 @@ class SimAutoscaler:
         self.next_decision = now + self.cfg.interval
         self.decisions += 1
         kept = self.pool.committed()
-        infos = self._rule_infos(infos)
+        infos = self._view(infos)
         # what-ifs start from the live allocation on the nodes kept, most loaded first
         order = sorted(kept, key=lambda lease: (-int(load[lease.slot]), lease.ready,
                                                 lease.slot))
@@ -221,23 +207,3 @@ class SimAutoscaler:
         self.whatif_solves += 1
         alloc = np.asarray(self.whatif.optimize(infos, nodes, cur), dtype=int)
         return utility(infos, alloc, gpus=n * gpn), int(alloc.sum())
-
-    def _rule_infos(self, infos: Sequence[JobInfo]) -> list[JobInfo]:
-        """The jobs as the rule sees them: as they are (goodput), or with system
-        throughput speedups (throughput; linear prior while a job has no model)."""
-        if self.cfg.rule == "goodput":
-            return list(infos)
-        out = []
-        for info in infos:
-            fn = info.throughput_fn
-            if fn is None:
-                out.append(info)
-                continue
-            rel = self._throughput.get(info.name)
-            if rel is None or rel.fn is not fn:
-                rel = self._throughput[info.name] = _RelativeThroughput(fn)
-            out.append(info if not rel.ref > 0 else dataclasses.replace(info, speedup_fn=rel))
-        names = {i.name for i in infos}
-        for gone in [k for k in self._throughput if k not in names]:
-            del self._throughput[gone]
-        return out

@@ -12,7 +12,7 @@ from pollux_launch.coordinator.autoscaler import Autoscaler
 from pollux_launch.coordinator.provisioners import Provisioner, ProvisionerError
 from pollux_launch.messages import NodeInfo
 from pollux_launch.policy import JobInfo, make_policy
-from pollux_launch.policy.autoscale import AutoscaleConfig
+from pollux_launch.policy.autoscale import AutoscaleConfig, RuleView
 
 
 class Recorder(Provisioner):
@@ -104,3 +104,39 @@ def test_a_failing_provisioner_backs_off_and_is_asked_again():
     scaler.round([job], nodes, {}, clock[0])
     settle(scaler, prov)
     assert prov.calls[-1] == ("up", 1) and len(prov.calls) == 3 and len(scaler._booting) == 1
+
+
+def saturating(n, k):
+    """Goodput that stops growing past 2 GPUs (a small batch's statistical efficiency)."""
+    return np.minimum(np.asarray(k, dtype=float), 2.0)
+
+
+def test_the_throughput_rule_decides_by_system_throughput():
+    """The same job under both rules: its goodput saturates at 2 GPUs, its system
+    throughput scales linearly (``throughput_fn``: samples/s, 50 per GPU). The goodput
+    rule keeps the cluster at one 2-GPU node (utility 2/2 = 1 there, 2/4 at two nodes: it
+    would grow only to sizes that keep >= L = 0.5, and one more node is 0.5, so exactly
+    2); the throughput rule sees utility 1 at every size and grows to the maximum."""
+    job = JobInfo("a", saturating, age=10.0, max_replicas=16,
+                  throughput_fn=lambda n, k: 50.0 * np.asarray(k, dtype=float))
+    nodes = [NodeInfo("n1", 2)]
+    asked = {}
+    for rule in ("goodput", "throughput"):
+        clock, prov = [1000.0], Recorder()
+        scaler = make(AutoscaleConfig(1, 6, rule=rule, interval=10.0), prov, clock)
+        scaler.round([job], nodes, {"n1": {"a": 2}}, clock[0])
+        settle(scaler, prov)
+        asked[rule] = (scaler.status.target, prov.calls, scaler.status.rule)
+    assert asked["goodput"] == (2, [("up", 1)], "goodput")
+    assert asked["throughput"] == (6, [("up", 5)], "throughput")
+
+
+def test_a_job_without_a_throughput_model_keeps_its_speedup_under_the_throughput_rule():
+    view = RuleView("throughput")
+    bare = JobInfo("a", saturating, age=1.0)
+    modelled = JobInfo("b", saturating, age=1.0,
+                       throughput_fn=lambda n, k: 10.0 * np.asarray(k, dtype=float))
+    seen = view([bare, modelled])
+    assert seen[0] is bare
+    assert list(seen[1].speedup_fn(np.array([1, 1]), np.array([4, 8]))) == [4.0, 8.0]
+    assert RuleView("goodput")([bare, modelled]) == [bare, modelled]
