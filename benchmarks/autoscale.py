@@ -26,6 +26,12 @@ cluster (``--autoscale``, starting at MIN, ``--autoscale-rule`` default goodput)
 the fixed cluster of MAX nodes: total node-hours (a fixed cluster holds MAX nodes from
 t = 0 until its last job ends) and the mean over workloads of avg JCT.
 
+(c) What a decision costs the coordinator: on the busy round of ``benchmarks/
+policy_scale.py`` (one job per 2.5 GPUs, trace models, goodput-core speedups) for each
+of ``--decision-gpus`` (4-GPU nodes, autoscaled within 1 .. 2x that many nodes), the
+wall time of one decision of the goodput rule (its what-if solves with pollux-dp) and
+how many solves it took, beside the solves a one-size-at-a-time scan would need.
+
 Rescale models: the first of ``--rescale-models`` gives the top-level figures (default
 checkpoint-restart: the paper's 30 s per change and 60 s rounds, as its autoscaling
 experiment ran); the others are reported under their names (``live``: the calibrated live
@@ -37,7 +43,8 @@ to stdout, and the LAST line is one JSON object::
                   "jct_ratio_vs_throughput_autoscaler": t, "vs_same_agent_throughput_rule":
                   {...}, "vs_other_baseline_batches": {...}, ...},
      "workloads": {"node_hours_ratio_vs_fixed": h, "avg_jct_ratio_vs_fixed": j, ...},
-     "live": {"imagenet": {...}, "workloads": {...}}, "goals": {...}, "setup": {...}}
+     "live": {"imagenet": {...}, "workloads": {...}}, "decision": {"<gpus>": {...}},
+     "goals": {...}, "setup": {...}}
 """
 
 from __future__ import annotations
@@ -260,6 +267,34 @@ def workloads(models: list[str], ks: list[int], scale: AutoscaleConfig, gpn: int
 
 
 
+def decision_cost(gpus: int, seed: int = 0) -> dict:
+    """Part (c): one goodput-rule decision on the busy round of ``gpus`` GPUs."""
+    from policy_scale import SLOTS, build_round, make_jobs  # beside this script
+
+    from pollux_launch.policy import PolicyNode, make_policy
+    from pollux_launch.policy.autoscale import target_nodes, utility
+
+    specs, nodes, _ = build_round(gpus, seed, "goodput-core")
+    jobs, _ = make_jobs(specs, "goodput-core")
+    cfg = AutoscaleConfig(1, 2 * len(nodes))
+    whatif = make_policy("pollux-dp", delta=0.0)
+    solves = []
+
+    def utility_at(n: int) -> float:
+        solves.append(n)
+        cluster = [PolicyNode(f"w{i}", SLOTS) for i in range(n)]
+        alloc = whatif.optimize(jobs, cluster, np.zeros((len(jobs), n), dtype=int))
+        return utility(jobs, alloc, gpus=n * SLOTS)
+
+    t0 = time.perf_counter()
+    target, now = target_nodes(cfg, utility_at, len(nodes))
+    wall = time.perf_counter() - t0
+    return {"nodes": len(nodes), "jobs": len(jobs), "target": target,
+            "utility": round(now, 3), "decision_ms": round(wall * 1000, 1),
+            "what_if_solves": len(set(solves)),
+            "linear_scan_solves": abs(target - len(nodes)) + 1 + (target != len(nodes))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_autoscale_arguments(ap)
@@ -273,11 +308,15 @@ def main(argv=None) -> int:
                          "top-level figures")
     ap.add_argument("--workloads", default="1-8", help="e.g. 1-8 or 1,3,5 ('none': skip)")
     ap.add_argument("--procs", type=int, default=2, help="parallel simulations (max 2)")
+    ap.add_argument("--decision-gpus", default="64,256,1024",
+                    help="cluster sizes for part (c), comma list ('none': skip)")
     ap.add_argument("--output", metavar="DIR", default=None, help="also write PNG plots")
     args = ap.parse_args(argv)
     try:
         scale = autoscale_from_args(args)
         ks = [] if args.workloads == "none" else parse_numbers(args.workloads)
+        sizes = ([] if args.decision_gpus == "none"
+                 else [int(x) for x in args.decision_gpus.split(",") if x.strip()])
     except (OptionsError, ValueError) as exc:
         ap.error(str(exc))
     top = load_model("imagenet")
@@ -328,6 +367,10 @@ def main(argv=None) -> int:
                       f"{v['node_hours']['fixed']:.1f}, avg JCT {v['avg_jct']['autoscaled']:.0f}"
                       f" vs {v['avg_jct']['fixed']:.0f} s, {v['size_changes']} size changes")
     print(f"oracle bound: {oracle}")
+    decision = {}
+    for gpus in sizes:
+        decision[str(gpus)] = decision_cost(gpus)
+        print(f"(c) a decision at {gpus} GPUs: {decision[str(gpus)]}")
     first = parts[models[0]]
     im = first["imagenet"]
     goals = {"imagenet_cost_and_time": bool(
@@ -339,6 +382,7 @@ def main(argv=None) -> int:
             w["node_hours_ratio_vs_fixed"] < 1.0 and w["avg_jct_ratio_vs_fixed"] <= 1.10)
     summary = {**first,
                **{m: parts[m] for m in models[1:]},
+               "decision": decision,
                "goals": goals,
                "setup": {"rescale_model": models[0], "autoscale": [scale.min_nodes,
                                                                   scale.max_nodes],

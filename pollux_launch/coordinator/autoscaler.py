@@ -70,6 +70,11 @@ class Autoscaler:
         self._busy = threading.Event()  # a call queued or running
         threading.Thread(target=self._serve, name="provisioner", daemon=True).start()
 
+    def max_gpus(self, nodes: Sequence[NodeInfo]) -> int:
+        """GPUs of the cluster at its largest (what admission may count on)."""
+        slots = self.slots or max((n.slots for n in nodes), default=1)
+        return self.cfg.max_nodes * slots
+
     # -- one coordinator round -------------------------------------------------------------
     def round(self, jobs: Sequence[JobInfo], nodes: Sequence[NodeInfo],
               held: dict[str, dict[str, int]], now: float) -> set[str]:

@@ -143,7 +143,10 @@ class Coordinator:
         nodes = self._with_grace(present, [jobs[n].allocation for n in active], now)
         self._admitted_now = set()
         if self.admission.enabled:
-            active = self._admit(active, jobs, sum(n.slots for n in nodes), now)
+            capacity = sum(n.slots for n in nodes)
+            if self.autoscaler is not None:  # the cluster grows for what it admits
+                capacity = max(capacity, self.autoscaler.max_gpus(nodes))
+            active = self._admit(active, jobs, capacity, now)
         names = [n.name for n in nodes]
         index = {name: i for i, name in enumerate(names)}
         current = np.zeros((len(active), len(nodes)), dtype=int)

@@ -136,18 +136,44 @@ def target_nodes(cfg: AutoscaleConfig, utility_at: Callable[[int], float], curre
     current = min(max(current, cfg.min_nodes), cfg.max_nodes)
     floor = max(cfg.min_nodes, 1)  # work never runs on no nodes
     now = utility_at(current) if current > 0 else 1.0  # no nodes: the work wants one
+    def low_ok(n: int) -> bool:
+        return utility_at(n) >= cfg.low
+
     if (now > cfg.high or current < floor) and current < cfg.max_nodes:
         # Only to sizes predicted to stay at or above L: a size below it would be undone
         # by the shrink rule at the next decision (grow, shrink, grow, ...).
-        best = max(current, floor)
-        for n in range(current + 1, cfg.max_nodes + 1):
-            if utility_at(n) < cfg.low:
-                break
-            best = n
-        return best, now
+        best = _last_holding(low_ok, current + 1, cfg.max_nodes)
+        return (max(current, floor) if best is None else best), now
     if now < cfg.low and current > floor:
-        for n in range(current - 1, floor - 1, -1):
-            if utility_at(n) >= cfg.low:
-                return n, now
-        return floor, now
+        still_low = _last_holding(lambda n: not low_ok(n), current - 1, floor)
+        return (current - 1 if still_low is None else max(still_low - 1, floor)), now
     return current, now
+
+
+def _last_holding(holds: Callable[[int], bool], first: int, last: int) -> int | None:
+    """The last size of ``first``..``last`` (either direction) reached before ``holds``
+    first fails, or None if it fails at ``first``. Utility falls as the cluster grows, so
+    ``holds`` is taken to fail from some size on: galloping from ``first`` (steps 1, 2,
+    4, ...) then bisection, O(log |last - first|) what-if solves instead of one per size
+    (a linear scan would give the same answer on a monotone utility)."""
+    step = 1 if last >= first else -1
+    if not holds(first):
+        return None
+    good, bad, gap = first, None, 1
+    while bad is None:
+        probe = good + step * gap
+        if (probe - last) * step > 0:
+            probe = last
+        if probe == good:
+            return good  # holds all the way to ``last``
+        if holds(probe):
+            good, gap = probe, 2 * gap
+        else:
+            bad = probe
+    while abs(bad - good) > 1:
+        mid = (good + bad) // 2
+        if holds(mid):
+            good = mid
+        else:
+            bad = mid
+    return good

@@ -174,3 +174,50 @@ def test_saxena_dp_in_the_coordinator_gives_every_admitted_job_a_gpu(tmp_path):
         assert all(w.num_replicas == 1 for w in writes.values())
         assert _status(store, "e").state == "queued"
         assert coord._memo["a"][2] is not None  # its throughput function, from the hints
+
+
+def test_under_autoscaling_admission_counts_the_cluster_at_its_largest(tmp_path):
+    """A queued job the current nodes cannot hold is admitted when the cluster may grow
+    to hold it, and the autoscaler asks for the nodes (else it would wait on a cluster
+    that never grows, since the autoscaler sees only admitted work)."""
+    import threading
+
+    import numpy as np
+
+    from pollux_launch.coordinator.autoscaler import Autoscaler
+    from pollux_launch.coordinator.provisioners import Provisioner
+    from pollux_launch.policy.autoscale import AutoscaleConfig
+
+    class Recorder(Provisioner):
+        name = "recorder"
+
+        def __init__(self) -> None:
+            self.calls, self.done = [], threading.Event()
+
+        def up(self, count: int) -> None:
+            self.calls.append(("up", count))
+            self.done.set()
+
+        def down(self, nodes) -> None:
+            self.calls.append(("down", list(nodes)))
+            self.done.set()
+
+    clock, prov = [1000.0], Recorder()
+    whatif = make_policy("pollux-dp", delta=0.0)
+    scaler = Autoscaler(AutoscaleConfig(1, 2, interval=10.0), prov, lambda jobs, nodes:
+                        whatif.optimize(jobs, nodes, np.zeros((len(jobs), len(nodes)), int)),
+                        lambda: clock[0], settle=0.0)
+    with open_store(f"embedded://{tmp_path}/store.db") as store:
+        store.put(keys.node("n1"), encode(NodeInfo("n1", 2)))
+        for i, name in enumerate(["a", "b", "c"]):
+            _submit(store, name, 900.0 + i)
+        coord = Coordinator(store, make_policy("pollux-dp"), clock=lambda: clock[0],
+                            admission=AdmissionConfig("drop"), autoscaler=scaler)
+        coord.schedule_once()
+        assert [_status(store, n).state for n in "abc"] == ["pending"] * 3  # none rejected
+        assert prov.done.wait(5) and prov.calls == [("up", 1)]
+        _submit(store, "d", 950.0)
+        _submit(store, "e", 951.0)
+        coord.schedule_once()  # 2 nodes x 2 GPUs: d fits the largest cluster, e does not
+        assert _status(store, "d").state == "pending"
+        assert _status(store, "e").state == "rejected"

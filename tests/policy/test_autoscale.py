@@ -71,7 +71,7 @@ CFG = AutoscaleConfig(1, 8)  # U = 2/3, L = 1/2
 def test_grows_above_u_to_the_largest_size_still_at_or_above_l():
     utility_at, calls = _table({2: 0.9, 3: 0.8, 4: 0.7, 5: 0.55, 6: 0.5, 7: 0.45, 8: 0.4})
     assert target_nodes(CFG, utility_at, 2) == (6, 0.9)
-    assert 8 not in calls  # stops at the first size below L
+    assert sorted(set(calls)) == [2, 3, 4, 6, 7, 8]  # gallops 3, 4, 6, 8; bisects to 7
 
 
 def test_grows_to_max_and_no_further():
@@ -129,6 +129,46 @@ def test_current_outside_the_bounds_is_clamped():
     utility_at, _ = _table({8: 0.6, 1: 0.6})
     assert target_nodes(CFG, utility_at, 12) == (8, 0.6)
     assert target_nodes(CFG, utility_at, 0) == (1, 0.6)
+
+
+def _linear_target(cfg, utility_at, current):
+    """The rule by one what-if per size (the reference the galloping search must match)."""
+    floor = max(cfg.min_nodes, 1)
+    now = utility_at(current) if current > 0 else 1.0
+    if (now > cfg.high or current < floor) and current < cfg.max_nodes:
+        best = max(current, floor)
+        for n in range(current + 1, cfg.max_nodes + 1):
+            if utility_at(n) < cfg.low:
+                break
+            best = n
+        return best, now
+    if now < cfg.low and current > floor:
+        for n in range(current - 1, floor - 1, -1):
+            if utility_at(n) >= cfg.low:
+                return n, now
+        return floor, now
+    return current, now
+
+
+def test_the_search_matches_a_linear_scan_in_log_many_what_ifs():
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        top = int(rng.integers(1, 300))
+        low = int(rng.integers(0, top + 1))
+        cfg = AutoscaleConfig(low, top)
+        # a falling utility (1 at 1 node, falling at a random rate), as scaling gives
+        falling = np.r_[1.0, np.cumprod(rng.uniform(0.9, 1.0, top))]
+        values = {n: float(v) for n, v in enumerate(falling)}
+        current = int(rng.integers(low, top + 1))
+        fast, calls = _table(values)
+        want = _linear_target(cfg, _table(values)[0], current)
+        assert target_nodes(cfg, fast, current) == want
+        assert len(calls) <= 2 * np.log2(top + 1) + 3
+    # 1024 nodes, utility falling through L at 700: ~20 what-ifs, not 700
+    values = {n: 0.9 - 0.4 * n / 700 for n in range(1, 1025)}
+    utility_at, calls = _table(values)
+    assert target_nodes(AutoscaleConfig(1, 1024), utility_at, 1) == (700, 0.9 - 0.4 / 700)
+    assert len(calls) <= 22
 
 
 @pytest.mark.parametrize("kwargs, match", [
