@@ -292,7 +292,10 @@ def decision_cost(gpus: int, seed: int = 0) -> dict:
     return {"nodes": len(nodes), "jobs": len(jobs), "target": target,
             "utility": round(now, 3), "decision_ms": round(wall * 1000, 1),
             "what_if_solves": len(set(solves)),
-            "linear_scan_solves": abs(target - len(nodes)) + 1 + (target != len(nodes))}
+            # one per size passed, plus the current one and the first size past the
+            # answer (none when the answer is a bound)
+            "linear_scan_solves": abs(target - len(nodes)) + 1
+            + (target not in (len(nodes), cfg.max_nodes, max(cfg.min_nodes, 1)))}
 
 
 def main(argv=None) -> int:

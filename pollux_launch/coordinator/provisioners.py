@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
 import shlex
+import signal
 import subprocess
+import tempfile
 from collections.abc import Callable, Sequence
 
 log = logging.getLogger(__name__)
@@ -49,20 +52,38 @@ class Provisioner(abc.ABC):
 
 
 def _run(argv: list[str], timeout: float) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise ProvisionerError(f"{shlex.join(argv)[:200]}: no answer within {timeout:g} s"
-                               ) from None
-    except OSError as exc:
-        raise ProvisionerError(f"{shlex.join(argv)[:200]}: cannot run it "
-                               f"({exc.strerror or exc})") from None
-    if done.returncode != 0:
-        last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [""]
-        raise ProvisionerError(f"{shlex.join(argv)[:200]}: exit status {done.returncode}"
+    """Run one provisioner call; its output, or ProvisionerError (one line).
+
+    Output goes to files, not pipes: a call that starts a node's agent in the background
+    (``pollux-run agent ... &``) leaves it holding them, and a pipe would then never reach
+    end-of-file, so a finished call would look hung. The call runs in its own session:
+    one that overruns ``timeout`` is killed with everything it started."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise ProvisionerError(f"{shlex.join(argv)[:200]}: cannot run it "
+                                   f"({exc.strerror or exc})") from None
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile: nothing left to stop
+                pass
+            proc.wait()
+            raise ProvisionerError(f"{shlex.join(argv)[:200]}: no answer within "
+                                   f"{timeout:g} s (stopped)") from None
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read().decode(errors="replace")
+    if code != 0:
+        last = (stderr.strip() or stdout.strip()).splitlines()[-1:] or [""]
+        raise ProvisionerError(f"{shlex.join(argv)[:200]}: exit status {code}"
                                + (f": {last[0][:200]}" if last[0] else ""))
-    return done.stdout
+    return stdout
 
 
 class CommandProvisioner(Provisioner):
