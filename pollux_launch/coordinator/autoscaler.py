@@ -60,6 +60,7 @@ class Autoscaler:
         self._releasing: set[str] = set()  # handed to the provisioner's down
         self._born: dict[str, float] = {}  # node -> first seen
         self._known: set[str] = set()
+        self._resumed_nodes: int | None = None  # nodes the resumed decision saw
         # a coordinator that just started first lets the running nodes register
         self._next = clock() + settle
         self._retry_at = 0.0
@@ -69,6 +70,19 @@ class Autoscaler:
         self._lock = threading.Lock()  # the state above: rounds and failed calls change it
         self._busy = threading.Event()  # a call queued or running
         threading.Thread(target=self._serve, name="provisioner", daemon=True).start()
+
+    def resume(self, last: AutoscaleStatus, now: float) -> None:
+        """Go on from another coordinator's last decision (``last``, from the store): its
+        booting nodes count as asked for at its decision time (they expire
+        ``boot_timeout`` after it), its drains go on, and the nodes it saw count as
+        known, so only nodes registering beyond them count as booted ones joining.
+        Lifetimes restart (a node is never released early)."""
+        with self._lock:
+            asked = min(last.timestamp, now)
+            self._booting = [asked] * last.booting
+            self._draining = {name: asked for name in last.draining}
+            self._resumed_nodes = last.nodes
+            self.status = last
 
     def max_gpus(self, nodes: Sequence[NodeInfo]) -> int:
         """GPUs of the cluster at its largest (what admission may count on)."""
@@ -89,6 +103,9 @@ class Autoscaler:
         for name in present:
             self._born.setdefault(name, now)
         joined = len(set(present) - self._known)
+        if self._resumed_nodes is not None:  # the first round after resume(): the nodes
+            joined = max(0, len(present) - self._resumed_nodes)  # beyond those it saw
+            self._resumed_nodes = None
         self._known = set(present)
         self._booting = sorted(self._booting)[joined:]  # the oldest requests came first
         self._booting = [t for t in self._booting if now - t < self.boot_timeout]

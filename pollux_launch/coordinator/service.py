@@ -131,6 +131,7 @@ class Coordinator:
         self._memo: dict[str, tuple[float, SpeedupFn | None, SpeedupFn | None]] = {}
         self.values = ValueLog(log)  # a bad value is logged once per key and revision
         self._good: dict[str, Allocation] = {}  # per job: the last well-formed allocation
+        self._resumed_term: int | None = None  # the term whose autoscaler state we read
 
     # -- one round -------------------------------------------------------------------
     def schedule_once(self) -> dict[str, Allocation]:
@@ -138,6 +139,8 @@ class Coordinator:
         present = self._read_nodes()
         jobs = self._read_jobs()
         now = self.clock()
+        if self.autoscaler is not None and self._resumed_term != self.term:
+            self._resume_autoscaler(now)
         active = [n for n, v in sorted(jobs.items())
                   if v.spec is not None and not (v.status and v.status.finished)]
         nodes = self._with_grace(present, [jobs[n].allocation for n in active], now)
@@ -210,6 +213,22 @@ class Coordinator:
             self.store.put(keys.AUTOSCALE, encode_msg(status))
             self._autoscale_said = status
         return writes
+
+    def _resume_autoscaler(self, now: float) -> None:
+        """A new leader goes on from the last autoscale decision in the store (nodes
+        asked for and still booting, drains under way) instead of asking for the booting
+        nodes again or keeping a half-drained node."""
+        assert self.autoscaler is not None
+        self._resumed_term = self.term
+        kv = self.store.get(keys.AUTOSCALE)
+        last = (self.values.read(AutoscaleStatus, kv.key, kv.value, kv.mod_revision)
+                if kv is not None else None)
+        if last is not None:
+            log.info("autoscale: resuming from the last decision (%d nodes, target %d, %d "
+                     "booting, draining %s)", last.nodes, last.target, last.booting,
+                     ", ".join(last.draining) or "none")
+            self.autoscaler.resume(last, now)
+            self._autoscale_said = last
 
     def _admit(self, active: list[str], jobs: dict[str, _JobView], capacity: int,
                now: float) -> list[str]:

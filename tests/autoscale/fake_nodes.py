@@ -8,11 +8,13 @@ Three faces, chosen by how it is called (the test puts them on PATH):
 * ``scancel ID...``: stops those jobs.
 
 State (pids, a log of calls) lives in ``$FAKE_NODES_DIR``; agents reach the store at
-``$FAKE_NODES_STORE`` under ``$FAKE_NODES_PREFIX``. Each agent has 1 slot.
+``$FAKE_NODES_STORE`` under ``$FAKE_NODES_PREFIX``. Each agent has 1 slot. A machine of
+``up`` boots for ``$FAKE_NODES_BOOT_S`` seconds (default 0) before its agent starts.
 """
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -71,7 +73,10 @@ def main(prog: str, args: list[str]) -> int:
         for _ in range(int(args[1])):
             n = len(list(DIR.glob("made-*"))) + 1
             (DIR / f"made-{n}").touch()
-            start(f"auto-{n}", agent(f"auto-{n}"), dict(os.environ))
+            argv, boot = agent(f"auto-{n}"), float(os.environ.get("FAKE_NODES_BOOT_S", 0))
+            if boot > 0:
+                argv = ["/bin/sh", "-c", f"sleep {boot:g}; exec {shlex.join(argv)}"]
+            start(f"auto-{n}", argv, dict(os.environ))
         return 0
     if args[0] == "down":
         for node in args[1:]:

@@ -157,3 +157,64 @@ def test_a_failing_provisioner_is_logged_once_and_scheduling_goes_on(cluster):
     log = (tmp / "coordinator.log").read_text()
     assert log.count("provisioner up") == 1, log[-3000:]  # said once, retried quietly
     assert "exit status 1" in log
+
+
+def test_a_killed_coordinator_s_successor_neither_asks_again_nor_forgets(cluster):
+    """The coordinator asks for a node and is killed (SIGKILL) while the node boots (20 s
+    here, longer than its successor's start); the successor goes on from the decision in
+    the store: it does not ask for a second node, the booted one joins, the job runs on
+    and succeeds, status tells 2 nodes, and the cluster shrinks back when the job ends."""
+    url, prefix, fake, env, start, tmp = cluster
+    env["FAKE_NODES_BOOT_S"] = "20"
+    start("agent", "--node-name", "base", "--slots", "1",
+          "--state-dir", str(tmp / "state-base"), log="base.log")
+    args = ("coordinator", "--interval", "1", "--lease-ttl", "3", "--autoscale", "1:2",
+            "--scale-interval", "1", "--min-node-lifetime", "0",
+            "--provisioner-command", "fake_nodes.py")
+    first = start(*args, log="coordinator-1.log")
+    calls = fake / "calls.jsonl"
+
+    def ups() -> int:
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        return sum(json.loads(line)[1] == "up" for line in lines)
+
+    with open_store(url, prefix) as store:
+        wait_for(lambda: nodes(store) == ["base"], 60, "the first node")
+        (tmp / "job.py").write_text(
+            "import os, time\n"
+            "while not os.path.exists('stop'):\n"
+            "    time.sleep(0.2)\n"
+            "print('job done', flush=True)\n")
+        job = subprocess.Popen([POLLUX_RUN, "--store", url, "--store-prefix", prefix,
+                                "--job-name", "steady", "-np", "1", sys.executable, "job.py"],
+                               env=env, cwd=tmp,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for(lambda: ups() == 1, 90, "the provisioner asked for a node")
+            wait_for(lambda: (kv := store.get(keys.AUTOSCALE)) is not None and decode(
+                AutoscaleStatus, kv.value).booting == 1, 30, "the decision in the store")
+            first.kill()  # SIGKILL: no goodbye, its lease lapses
+            first.wait(timeout=30)
+            killed = time.time()
+            start(*args, log="coordinator-2.log")
+            wait_for(lambda: len(nodes(store)) == 2, 90, "the booted node to join")
+            status = wait_for(lambda: (a := decode(AutoscaleStatus, store.get(
+                keys.AUTOSCALE).value)).timestamp > killed and a.nodes == 2 and a, 60,
+                "the successor's decision")
+            assert status.target == 2 and status.booting == 0, status
+            assert ups() == 1, calls.read_text()  # it did not ask again
+            state = decode(JobStatus, store.get(keys.job("steady", "status")).value)
+            assert state.state == "running"
+            shown = subprocess.run([POLLUX_RUN, "status", "--store", url, "--store-prefix",
+                                    prefix], env=env,
+                                   capture_output=True, text=True, timeout=60).stdout
+            assert "autoscale: 2 nodes, target 2 (0 booting)" in shown, shown
+            (tmp / "stop").touch()
+            out, _ = job.communicate(timeout=120)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        assert job.returncode == 0 and "steady: succeeded" in out, out
+        wait_for(lambda: len(nodes(store)) == 1, 90, "the cluster back to one node")
+    assert ups() == 1
+    assert "resum" in (tmp / "coordinator-2.log").read_text()

@@ -42,11 +42,11 @@ def linear(n, k):
     return np.asarray(k, dtype=float)
 
 
-def settle(scaler: Autoscaler, prov: Recorder) -> None:
+def settle(scaler: Autoscaler | None, prov: Recorder) -> None:
     prov.done.wait(5)
     prov.done.clear()
     for _ in range(100):  # the call returned and the autoscaler saw it
-        if not scaler._busy.is_set():
+        if scaler is None or not scaler._busy.is_set():
             return
         time.sleep(0.01)
 
@@ -140,3 +140,48 @@ def test_a_job_without_a_throughput_model_keeps_its_speedup_under_the_throughput
     assert seen[0] is bare
     assert list(seen[1].speedup_fn(np.array([1, 1]), np.array([4, 8]))) == [4.0, 8.0]
     assert RuleView("goodput")([bare, modelled]) == [bare, modelled]
+
+
+def test_a_new_coordinator_goes_on_from_the_last_decision(tmp_path, caplog):
+    """Coordinator A asks for 3 nodes and dies; B, on the same store, neither asks for
+    them again nor forgets them (one has joined meanwhile), and a malformed record is
+    logged once and survived: that coordinator decides afresh."""
+    from pollux_launch import keys
+    from pollux_launch.coordinator.service import Coordinator
+    from pollux_launch.messages import JobSpec, JobStatus, encode
+    from pollux_launch.rendezvous.store import open_store
+
+    cfg = AutoscaleConfig(1, 4, interval=10.0)
+    clock = [1000.0]
+    with open_store(f"embedded://{tmp_path}/store.db") as store:
+        store.put(keys.node("n1"), encode(NodeInfo("n1", 2)))
+        spec = JobSpec(name="a", command=("python", "t.py"), initial_replicas=8,
+                       min_replicas=1, max_replicas=8, submit_time=900.0)
+        store.put(keys.job("a", "spec"), encode(spec))
+        store.put(keys.job("a", "status"), encode(JobStatus("pending")))
+
+        def coordinator(prov: Recorder) -> Coordinator:
+            return Coordinator(store, make_policy("pollux-dp"), clock=lambda: clock[0],
+                               autoscaler=make(cfg, prov, clock))
+
+        first = Recorder()
+        coordinator(first).schedule_once()
+        settle(None, first)
+        assert first.calls == [("up", 3)]
+        clock[0] += 30
+        store.put(keys.node("n2"), encode(NodeInfo("n2", 2)))  # one of them joined
+        second = Recorder()
+        b = coordinator(second)
+        b.schedule_once()
+        assert b.autoscaler.status.booting == 2 and b.autoscaler.status.target == 4
+        assert second.calls == [] and not second.done.wait(0.5)
+        # a record that does not decode: logged once, and the next leader starts afresh
+        store.put(keys.AUTOSCALE, '{"v": 1, "nodes": -3}')
+        third = Recorder()
+        c = coordinator(third)
+        caplog.set_level("WARNING")
+        c.schedule_once()
+        c.schedule_once()
+        settle(None, third)
+        assert caplog.text.count("ignoring malformed coordinator/autoscale") == 1
+        assert third.calls == [("up", 2)]  # n1 and n2 are here: 2 more
