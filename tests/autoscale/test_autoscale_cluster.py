@@ -44,6 +44,19 @@ def nodes(store) -> list[str]:
     return sorted(n.name for n in found if n.slots > 0)
 
 
+def steady_job(url: str, prefix: str, env: dict, tmp: Path) -> subprocess.Popen:
+    """``pollux-run`` of a 1-GPU job named steady that runs until ``tmp/stop`` exists."""
+    (tmp / "job.py").write_text(
+        "import os, time\n"
+        "while not os.path.exists('stop'):\n"
+        "    time.sleep(0.2)\n"
+        "print('job done', flush=True)\n")
+    return subprocess.Popen([POLLUX_RUN, "--store", url, "--store-prefix", prefix,
+                             "--job-name", "steady", "-np", "1", sys.executable, "job.py"],
+                            env=env, cwd=tmp,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.fixture
 def cluster(tmp_path, etcd_server):
     """A store (the session's real etcd, under a prefix of this test's own), a
@@ -98,15 +111,7 @@ def test_the_cluster_grows_while_a_job_runs_and_shrinks_when_it_ends(cluster, pr
           "--scale-interval", "1", "--min-node-lifetime", "0", *how, log="coordinator.log")
     with open_store(url, prefix) as store:
         wait_for(lambda: nodes(store) == ["base"], 60, "the first node")
-        (tmp / "job.py").write_text(
-            "import os, time\n"
-            "while not os.path.exists('stop'):\n"
-            "    time.sleep(0.2)\n"
-            "print('job done', flush=True)\n")
-        job = subprocess.Popen([POLLUX_RUN, "--store", url, "--store-prefix", prefix,
-                                "--job-name", "steady", "-np", "1", sys.executable, "job.py"],
-                               env=env, cwd=tmp,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        job = steady_job(url, prefix, env, tmp)
         try:
             two = wait_for(lambda: len(nodes(store)) == 2 and nodes(store), 90,
                            "a second node from the provisioner")
@@ -180,15 +185,7 @@ def test_a_killed_coordinator_s_successor_neither_asks_again_nor_forgets(cluster
 
     with open_store(url, prefix) as store:
         wait_for(lambda: nodes(store) == ["base"], 60, "the first node")
-        (tmp / "job.py").write_text(
-            "import os, time\n"
-            "while not os.path.exists('stop'):\n"
-            "    time.sleep(0.2)\n"
-            "print('job done', flush=True)\n")
-        job = subprocess.Popen([POLLUX_RUN, "--store", url, "--store-prefix", prefix,
-                                "--job-name", "steady", "-np", "1", sys.executable, "job.py"],
-                               env=env, cwd=tmp,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        job = steady_job(url, prefix, env, tmp)
         try:
             wait_for(lambda: ups() == 1, 90, "the provisioner asked for a node")
             wait_for(lambda: (kv := store.get(keys.AUTOSCALE)) is not None and decode(
