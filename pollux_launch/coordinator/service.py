@@ -188,11 +188,11 @@ class Coordinator:
             del self._memo[name]
         for name in set(self._good) - set(jobs):
             del self._good[name]
+        # (the value too: a put over our key keeps its create revision)
+        guard = ([Compare(keys.LEADER, "create_revision", "==", self.term),
+                  Compare(keys.LEADER, "value", "==", json.dumps(self.name))]
+                 if self._lease else [])
         if writes:
-            # (the value too: a put over our key keeps its create revision)
-            guard = ([Compare(keys.LEADER, "create_revision", "==", self.term),
-                      Compare(keys.LEADER, "value", "==", json.dumps(self.name))]
-                     if self._lease else [])
             # jobs that give slots back first, so agents free them before others grow
             order = sorted(writes, key=lambda n: (_replicas(writes[n]) - _replicas(
                 jobs[n].allocation), n))
@@ -209,9 +209,10 @@ class Coordinator:
                 log.info("allocation %s v%d: %s", name, alloc.version, _describe(alloc))
         self.rounds += 1
         status = self.autoscaler.status if self.autoscaler else None
-        if status is not None and status != self._autoscale_said:
-            self.store.put(keys.AUTOSCALE, encode_msg(status))
-            self._autoscale_said = status
+        if status is not None and status != self._autoscale_said and not self._deposed:
+            # guarded: a deposed leader must not overwrite its successor's decision
+            if self.store.txn(guard, [Put(keys.AUTOSCALE, encode_msg(status))]):
+                self._autoscale_said = status
         return writes
 
     def _resume_autoscaler(self, now: float) -> None:
