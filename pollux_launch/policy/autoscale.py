@@ -136,6 +136,7 @@ def target_nodes(cfg: AutoscaleConfig, utility_at: Callable[[int], float], curre
     current = min(max(current, cfg.min_nodes), cfg.max_nodes)
     floor = max(cfg.min_nodes, 1)  # work never runs on no nodes
     now = utility_at(current) if current > 0 else 1.0  # no nodes: the work wants one
+
     def low_ok(n: int) -> bool:
         return utility_at(n) >= cfg.low
 
