@@ -24,6 +24,7 @@ scheduling goes on meanwhile. The decision and its reason are written to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -122,7 +123,18 @@ class Autoscaler:
         if now >= self._next:
             self._next = now + self.cfg.interval
             self._decide(jobs, present, held, now)
+        else:
+            self._refresh_status(len(present))
         return set(self._draining)
+
+    def _refresh_status(self, nodes: int | None = None) -> None:
+        """Between decisions the record keeps telling the truth (nodes that joined or
+        were released, requests that failed): status shows it, and a successor resumes
+        from it."""
+        if self.status is not None:
+            self.status = dataclasses.replace(
+                self.status, nodes=self.status.nodes if nodes is None else nodes,
+                booting=len(self._booting), draining=tuple(sorted(self._draining)))
 
     def _decide(self, jobs: Sequence[JobInfo], present: dict[str, NodeInfo],
                 held: dict[str, dict[str, int]], now: float) -> None:
@@ -208,5 +220,6 @@ class Autoscaler:
             if op == "up":  # those nodes will not come: the next decision asks again
                 gone = int(arg)  # type: ignore[call-overload]
                 self._booting = self._booting[:max(0, len(self._booting) - gone)]
+                self._refresh_status()
             else:
                 self._releasing.difference_update(arg)  # type: ignore[arg-type]

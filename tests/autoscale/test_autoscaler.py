@@ -185,3 +185,24 @@ def test_a_new_coordinator_goes_on_from_the_last_decision(tmp_path, caplog):
         settle(None, third)
         assert caplog.text.count("ignoring malformed coordinator/autoscale") == 1
         assert third.calls == [("up", 2)]  # n1 and n2 are here: 2 more
+
+
+def test_the_record_tells_the_truth_between_decisions():
+    """Decisions are minutes apart; the record (status, and what a successor resumes
+    from) follows joins and failed requests meanwhile."""
+    clock, prov = [1000.0], Recorder()
+    scaler = make(AutoscaleConfig(1, 3, interval=300.0), prov, clock)
+    job = JobInfo("a", linear, age=10.0, max_replicas=8)
+    scaler.round([job], [NodeInfo("n1", 2)], {}, clock[0])
+    settle(scaler, prov)
+    assert prov.calls == [("up", 2)] and scaler.status.booting == 2
+    clock[0] += 30  # one of the two joins; no decision is due
+    scaler.round([job], [NodeInfo("n1", 2), NodeInfo("n2", 2)], {}, clock[0])
+    assert (scaler.status.nodes, scaler.status.booting, scaler.status.target) == (2, 1, 3)
+    assert scaler.status.timestamp == 1000.0  # still the decision's
+    failing = Recorder()
+    failing.failing = True
+    scaler = make(AutoscaleConfig(1, 3, interval=300.0), failing, clock)
+    scaler.round([job], [NodeInfo("n1", 2)], {}, clock[0])
+    settle(scaler, failing)
+    assert failing.calls == [("up", 2)] and scaler.status.booting == 0  # none will come
