@@ -19,7 +19,10 @@ Provisioner calls run one at a time on a background thread: a round never waits 
 one. A call that fails or hangs (cut off at the provisioner's timeout) is logged once per
 distinct error and the next one waits an exponential back-off (up to ten minutes);
 scheduling goes on meanwhile. The decision and its reason are written to
-``coordinator/autoscale`` for ``pollux-run status``.
+``coordinator/autoscale`` (``AutoscaleStatus``) for ``pollux-run status``, its counts
+kept current between decisions. The coordinator holds nothing durable: one that takes
+over resumes from that record (:meth:`Autoscaler.resume`: (booting nodes are not asked for
+again, drains go on; node lifetimes restart, so none is released early).
 """
 
 from __future__ import annotations
