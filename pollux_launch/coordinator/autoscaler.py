@@ -21,8 +21,8 @@ distinct error and the next one waits an exponential back-off (up to ten minutes
 scheduling goes on meanwhile. The decision and its reason are written to
 ``coordinator/autoscale`` (``AutoscaleStatus``) for ``pollux-run status``, its counts
 kept current between decisions. The coordinator holds nothing durable: one that takes
-over resumes from that record (:meth:`Autoscaler.resume`: (booting nodes are not asked for
-again, drains go on; node lifetimes restart, so none is released early).
+over resumes from that record (:meth:`Autoscaler.resume`): booting nodes are not asked
+for again, drains go on, node lifetimes restart (so none is released early).
 """
 
 from __future__ import annotations
