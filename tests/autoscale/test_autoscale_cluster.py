@@ -9,6 +9,7 @@ tells the target and why; a failing provisioner is logged once and retried.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -44,17 +45,36 @@ def nodes(store) -> list[str]:
     return sorted(n.name for n in found if n.slots > 0)
 
 
-def steady_job(url: str, prefix: str, env: dict, tmp: Path) -> subprocess.Popen:
-    """``pollux-run`` of a 1-GPU job named steady that runs until ``tmp/stop`` exists."""
+@contextlib.contextmanager
+def steady_job(url: str, prefix: str, env: dict, tmp: Path):
+    """``pollux-run`` of a 1-GPU job named steady that runs until :func:`end_steady`
+    (killed if the test fails first)."""
     (tmp / "job.py").write_text(
         "import os, time\n"
         "while not os.path.exists('stop'):\n"
         "    time.sleep(0.2)\n"
         "print('job done', flush=True)\n")
-    return subprocess.Popen([POLLUX_RUN, "--store", url, "--store-prefix", prefix,
-                             "--job-name", "steady", "-np", "1", sys.executable, "job.py"],
-                            env=env, cwd=tmp,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen([POLLUX_RUN, "--store", url, "--store-prefix", prefix,
+                            "--job-name", "steady", "-np", "1", sys.executable, "job.py"],
+                           env=env, cwd=tmp,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+def end_steady(job: subprocess.Popen, tmp: Path) -> None:
+    """Let the steady job finish; it must succeed."""
+    (tmp / "stop").touch()
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0 and "steady: succeeded" in out, out
+
+
+def shown_status(url: str, prefix: str, env: dict) -> str:
+    return subprocess.run([POLLUX_RUN, "status", "--store", url, "--store-prefix", prefix],
+                          env=env, capture_output=True, text=True, timeout=60).stdout
 
 
 @pytest.fixture
@@ -111,8 +131,7 @@ def test_the_cluster_grows_while_a_job_runs_and_shrinks_when_it_ends(cluster, pr
           "--scale-interval", "1", "--min-node-lifetime", "0", *how, log="coordinator.log")
     with open_store(url, prefix) as store:
         wait_for(lambda: nodes(store) == ["base"], 60, "the first node")
-        job = steady_job(url, prefix, env, tmp)
-        try:
+        with steady_job(url, prefix, env, tmp) as job:
             two = wait_for(lambda: len(nodes(store)) == 2 and nodes(store), 90,
                            "a second node from the provisioner")
             grown = wait_for(lambda: (a := decode(AutoscaleStatus, store.get(
@@ -122,16 +141,9 @@ def test_the_cluster_grows_while_a_job_runs_and_shrinks_when_it_ends(cluster, pr
             assert grown.target == 2 and grown.utility in (1.0, 0.5), grown
             status = decode(JobStatus, store.get(keys.job("steady", "status")).value)
             assert status.state == "running"  # the job ran on through the growth
-            shown = subprocess.run([POLLUX_RUN, "status", "--store", url, "--store-prefix",
-                                    prefix], env=env,
-                                   capture_output=True, text=True, timeout=60).stdout
+            shown = shown_status(url, prefix, env)
             assert "autoscale: 2 nodes, target 2" in shown and "goodput rule" in shown
-            (tmp / "stop").touch()
-            out, _ = job.communicate(timeout=120)
-        finally:
-            if job.poll() is None:
-                job.kill()
-        assert job.returncode == 0 and "steady: succeeded" in out, out
+            end_steady(job, tmp)
         wait_for(lambda: len(nodes(store)) == 1, 90, "the cluster back to one node")
         left = nodes(store)
         assert left[0] in two
@@ -185,8 +197,7 @@ def test_a_killed_coordinator_s_successor_neither_asks_again_nor_forgets(cluster
 
     with open_store(url, prefix) as store:
         wait_for(lambda: nodes(store) == ["base"], 60, "the first node")
-        job = steady_job(url, prefix, env, tmp)
-        try:
+        with steady_job(url, prefix, env, tmp) as job:
             wait_for(lambda: ups() == 1, 90, "the provisioner asked for a node")
             wait_for(lambda: (kv := store.get(keys.AUTOSCALE)) is not None and decode(
                 AutoscaleStatus, kv.value).booting == 1, 30, "the decision in the store")
@@ -202,16 +213,9 @@ def test_a_killed_coordinator_s_successor_neither_asks_again_nor_forgets(cluster
             assert ups() == 1, calls.read_text()  # it did not ask again
             state = decode(JobStatus, store.get(keys.job("steady", "status")).value)
             assert state.state == "running"
-            shown = subprocess.run([POLLUX_RUN, "status", "--store", url, "--store-prefix",
-                                    prefix], env=env,
-                                   capture_output=True, text=True, timeout=60).stdout
+            shown = shown_status(url, prefix, env)
             assert "autoscale: 2 nodes, target 2 (0 booting)" in shown, shown
-            (tmp / "stop").touch()
-            out, _ = job.communicate(timeout=120)
-        finally:
-            if job.poll() is None:
-                job.kill()
-        assert job.returncode == 0 and "steady: succeeded" in out, out
+            end_steady(job, tmp)
         wait_for(lambda: len(nodes(store)) == 1, 90, "the cluster back to one node")
     assert ups() == 1
     assert "resum" in (tmp / "coordinator-2.log").read_text()
