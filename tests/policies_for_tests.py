@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,30 @@ def read_logs(log_dir: Path, prefix: str) -> dict[int, list[dict]]:
         assert recs and len({r["rank"] for r in recs}) == 1, f
         by_rank[recs[0]["rank"]] += recs
     return dict(by_rank)
+
+
+def run_probe_job(tmp_path: Path, name: str, args: list[str], env: dict[str, str],
+                  timeout: float) -> tuple[dict[int, list[dict]], dict[int, list[dict]]]:
+    """``pollux-run`` of a 2-rank job ``name`` (``args``: its options after the fixed
+    size, then the script) with the probe's logs under ``tmp_path/logs``; it must
+    succeed, and both ranks must have logged. The policy and worker logs by rank."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {**env, "POLICY_LOG_DIR": str(logs), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("POLLUX_POLICIES", None)  # only the policies the test names
+    pollux_run = str(Path(sys.executable).with_name("pollux-run"))
+    out = subprocess.run(
+        [pollux_run, "--store", f"embedded://{tmp_path / 'store.db'}", "--job-name", name,
+         "-np", "2", "--min-np", "2", "--max-np", "2", "--interval", "3600", *args],
+        cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True,
+        timeout=timeout)
+    output = out.stdout + out.stderr
+    assert out.returncode == 0, output[-4000:]
+    assert f"{name}: succeeded, exit code 0" in output, output[-4000:]
+    policy, worker = read_logs(logs, "policy"), read_logs(logs, "worker")
+    assert sorted(policy) == sorted(worker) == [0, 1], output[-3000:]
+    return policy, worker
 
 
 def _log_file(prefix: str) -> Any:

@@ -10,9 +10,10 @@ parameters, and the surviving workers kept their processes.
 import json
 import sys
 import threading
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from waiting import wait_for  # tests/waiting.py
 
 from pollux_launch import keys
 from pollux_launch.launcher.node_agent import NodeAgent
@@ -30,14 +31,6 @@ def records(log_dir: Path) -> dict[str, list[dict]]:
     return out
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_rescale_1_2_3_2_exactly_once_and_identical(tmp_path):

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from waiting import wait_for  # tests/waiting.py
 
 from pollux_launch import keys
 from pollux_launch.messages import AutoscaleStatus, JobStatus, NodeInfo, decode
@@ -29,14 +30,6 @@ HERE = Path(__file__).parent
 POLLUX_RUN = str(Path(sys.executable).with_name("pollux-run"))
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def nodes(store) -> list[str]:

@@ -22,41 +22,27 @@ starts at the first ``before_epoch``) behaves the same.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from policies_for_tests import EXPECTED_COLLECTIVES, read_logs  # (tests/ is on the path)
+from policies_for_tests import EXPECTED_COLLECTIVES, run_probe_job  # (tests/ is on the path)
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/install-horovod.sh")
 
-REPO = Path(__file__).parents[2]
 WORKER = Path(__file__).with_name("policy_worker.py")
-POLLUX_RUN = str(Path(sys.executable).with_name("pollux-run"))
 
 
 
 @pytest.mark.parametrize("elastic", [True, False], ids=["hvd-elastic", "no-hvd-elastic"])
 def test_policies_run_on_every_rank_and_rank0_decides_for_all(tmp_path, elastic):
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    env = {**os.environ, "POLICY_LOG_DIR": str(logs), "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("POLLUX_POLICIES", None)
+    env = dict(os.environ)
     env.pop("POLICY_PLAN", None)  # the module's plan
-    out = subprocess.run(
-        [POLLUX_RUN, "--store", f"embedded://{tmp_path / 'store.db'}", "--job-name",
-         "hvd-policies", "-np", "2", "--min-np", "2", "--max-np", "2", "-H", "localhost:2",
-         "--interval", "3600", "--policy-module", "tests.policies_for_tests:Probe",
+    policy, worker = run_probe_job(
+        tmp_path, "hvd-policies",
+        ["-H", "localhost:2", "--policy-module", "tests.policies_for_tests:Probe",
          sys.executable, str(WORKER), *([] if elastic else ["--no-elastic"])],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    output = out.stdout + out.stderr
-    assert out.returncode == 0, output[-4000:]
-    assert "hvd-policies: succeeded, exit code 0" in output, output[-4000:]
-
-    policy, worker = read_logs(logs, "policy"), read_logs(logs, "worker")
-    assert sorted(policy) == sorted(worker) == [0, 1], output[-3000:]
+        env, timeout=240)
 
     # 1. every rank ran the hooks, in order, the script's policy first
     for rank in (0, 1):

@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from waiting import wait_for  # tests/waiting.py
 
 from pollux_launch import keys
 from pollux_launch.launcher.node_agent import NodeAgent
@@ -21,13 +22,6 @@ from pollux_launch.rendezvous.store import open_store
 SLEEPER = "import time\nwhile True: time.sleep(1)\n"
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
