@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_sim_simulator import PLACEMENTS, SCALABILITY  # the toy model's step times
 
 from pollux_launch.policy import make_policy
 from pollux_launch.policy.admission import AdmissionConfig
@@ -18,18 +19,6 @@ from pollux_launch.sim.simulator import ProfileConfig, SimConfig, simulate
 from pollux_launch.sim.traces import load_model
 from pollux_launch.sim.workload import JobSpec, load_workload
 
-PLACEMENTS = """placement,local_bsz,step_time,sync_time
-1,5,0.3,0.1
-1,10,0.5,0.1
-2,5,0.15,0.05
-2,10,0.25,0.05
-"""
-SCALABILITY = """num_nodes,num_replicas,local_bsz,step_time,sync_time
-2,2,5,0.4,0.2
-2,4,10,0.6,0.3
-3,3,5,0.5,0.3
-4,8,10,0.8,0.5
-"""
 VALIDATION = """progress,iteration,metric,grad_sqr,grad_var
 600,600,0.5,1.0,0.0
 1200,1200,0.9,1.0,0.0
