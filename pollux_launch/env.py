@@ -28,6 +28,10 @@ WORKER_ID = "POLLUX_WORKER_ID"  # this worker's id, unique in the job
 ADDR = "POLLUX_ADDR"  # the address peers reach this node at (its agent's --address)
 EXIT_FILE = "POLLUX_EXIT_FILE"  # where the worker tells its agent why it is leaving
 EXIT_DEPARTED = "departed"  # ...written there: a round formed without it (not completion)
+EXIT_JOINED = "joined"  # ...or: it joined its job's group (its failures are the job's)
+# The GPU a worker holds (its node agent's claim, launcher/devices.py); its
+# CUDA_VISIBLE_DEVICES lists its job's GPUs on the node, this one at LOCAL_RANK
+GPUS = "POLLUX_GPUS"
 LOG_LEVEL = "POLLUX_LOG_LEVEL"
 CHECKPOINT_DIR = "POLLUX_CHECKPOINT_DIR"  # the job's durable checkpoints (pollux-run flag)
 CHECKPOINT_INTERVAL = "POLLUX_CHECKPOINT_INTERVAL"  # seconds between them (default below)
@@ -54,6 +58,15 @@ SECRET = "POLLUX_SECRET"
 SECRET_FILE = "POLLUX_SECRET_FILE"
 STORE_PASSWORD = "POLLUX_STORE_PASSWORD"
 SECRETS = (SECRET, SECRET_FILE, STORE_PASSWORD)
+
+
+def own_gpu_index(environ: Mapping[str, str] | None = None) -> int | None:
+    """This worker's own GPU as a device index in what it sees (``GPUS``' position in
+    ``CUDA_VISIBLE_DEVICES``), None where its agent gave it none."""
+    environ = os.environ if environ is None else environ
+    own = environ.get(GPUS)
+    visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    return visible.index(own) if own and own in visible else None
 
 
 def without_secrets(environ: dict[str, str]) -> dict[str, str]:

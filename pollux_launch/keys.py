@@ -11,6 +11,8 @@
     jobs/<job>/restarts           JobRestarts: restarts after all workers died, progress lost
     jobs/<job>/generation         JobGeneration: a restart-elastic job's restarts, their cost
     jobs/<job>/rdzv/...           the job's rendezvous rounds (rendezvous/README.md)
+    jobs/<job>/gpus/<node>        JobGpus: the GPUs its workers hold there (that node's agent)
+    jobs/<job>/finished/<worker>  WorkerFinished: a worker that completed the script (its agent)
     jobs/<job>/tasks/<task>       WorkerTask: a Horovod worker the job's launcher asks a node for
     jobs/<job>/exits/<task>       TaskExit, written by the node agent that ran the task
     coordinator/leader            the active coordinator's id, under its lease
@@ -47,3 +49,16 @@ def split_job_key(key: str) -> tuple[str, str] | None:
         return None
     name, sep, leaf = key[len(JOBS):].partition("/")
     return (name, leaf) if sep and name else None
+
+
+def job_gpus(job_name: str, node_name: str) -> str:
+    """``jobs/<job>/gpus/<node>``: what the job's workers hold on that node."""
+    return job(job_name, f"gpus/{node_name}")
+
+
+FINISHED = "finished/"  # a job's leaf prefix of its completed workers
+
+
+def job_finished(job_name: str, worker: str) -> str:
+    """``jobs/<job>/finished/<worker>``: that worker completed the script."""
+    return job(job_name, FINISHED + worker)

@@ -18,6 +18,8 @@ Who writes what (key schema in ``rendezvous/README.md``):
 * ``Allocation`` - written by the coordinator; one node name per replica, with a version
   number that increases with every change (one rendezvous round per version).
 * ``NodeInfo``   - written by each node agent under a lease.
+* ``JobGpus``    - the GPUs a job's workers hold on a node, by that node's agent.
+* ``WorkerFinished`` - a worker that completed the script, by its node agent.
 * ``JobStatus``  - the job's lifecycle state, written by whoever learns of a change
   (``pollux-run`` or a node agent when workers exit, ``pollux-run cancel``).
 * ``JobRestarts`` - how often the job started again after all its workers died, and the
@@ -35,6 +37,7 @@ import functools
 import json
 import logging
 import math
+import re
 import types
 import typing
 from collections import OrderedDict
@@ -206,10 +209,24 @@ class Allocation:
         return len(set(self.nodes))
 
 
+# A GPU id as CUDA_VISIBLE_DEVICES names one (an index, GPU-<uuid>, MIG-<uuid>, or the
+# older MIG-GPU-<uuid>/<gi>/<ci>): never a comma
+GPU_ID = re.compile(r"[A-Za-z0-9_.:/+-]{1,128}")
+
+
+def _check_gpus(where: str, gpus: tuple[str, ...]) -> None:
+    if len(gpus) > MAX_SLOTS:
+        raise MessageError(f"{where}: more GPUs than a node may have")
+    for gpu in gpus:
+        if not GPU_ID.fullmatch(gpu):
+            raise MessageError(f"{where}: {gpu[:80]!r} is not a GPU id")
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """A node agent's registration (kept under its lease). ``workers``: the agent's own
-    view of the processes it runs, per job (each holds a slot until it has exited)."""
+    view of the processes it runs, per job (each holds a slot until it has exited);
+    ``gpus``: the node's GPUs (one slot each; empty on a node of CPU slots)."""
 
     name: str = named()
     slots: int = within(0, MAX_SLOTS)
@@ -217,11 +234,38 @@ class NodeInfo:
     timestamp: float = within(*_TIME, 0.0)
     workers: dict[str, int] = within(0, MAX_SLOTS, factory=dict)
     log_port: int = within(0, 65535, 0)  # where it serves job logs (launcher/logs.py); 0: none
+    gpus: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for job in self.workers:
             if not keys.NAME.fullmatch(job):
                 raise MessageError(f"NodeInfo.workers: bad job name {job[:80]!r}")
+        _check_gpus("NodeInfo.gpus", self.gpus)
+
+
+@dataclass(frozen=True)
+class JobGpus:
+    """The GPUs a job's workers hold on one node, oldest worker first (written by that
+    node's agent under its lease whenever they change; launcher/devices.py)."""
+
+    node: str = named()
+    gpus: tuple[str, ...] = ()
+    timestamp: float = within(*_TIME, 0.0)
+
+    def __post_init__(self) -> None:
+        _check_gpus("JobGpus.gpus", self.gpus)
+
+
+@dataclass(frozen=True)
+class WorkerFinished:
+    """A worker that completed the job's script (exit 0 while its replica was allocated),
+    recorded by its node agent (``launcher/completion.py``). ``generation``: the
+    allocation's (term, version) and the restarts of the group it ran in (a
+    restart-elastic job's; 0 for a live job, whose group is its last formed round)."""
+
+    node: str = named()
+    generation: tuple[int, int, int] = within(0, MAX_INT, (0, 0, 0))
+    timestamp: float = within(*_TIME, 0.0)
 
 
 @dataclass(frozen=True)

@@ -250,12 +250,20 @@ class Rendezvous:
         self._hosted: tuple[int, Any] | None = None  # (round, TCPStore) this worker hosts
         self._teardown: threading.Thread | None = None  # the old group being destroyed
         self._closed = False
-        try:
-            self._register()
-            rev = store.revision()
-        except StoreError as exc:
-            self._close_store()
-            raise RendezvousError(f"cannot join job {job!r}: {_line(exc)}") from None
+        wait = _StoreWait(job, self.config.join_timeout)
+        while True:  # a store that stalls as a newcomer starts: wait, within the join timeout
+            try:
+                self._register()
+                rev = store.revision()
+                break
+            except StoreUnavailable as exc:
+                if wait.again(exc):
+                    continue
+                self._close_store()
+                raise RendezvousError(f"cannot join job {job!r}: {_line(exc)}") from None
+            except StoreError as exc:
+                self._close_store()
+                raise RendezvousError(f"cannot join job {job!r}: {_line(exc)}") from None
         self._watcher = threading.Thread(target=self._watch, args=(rev,), daemon=True,
                                          name=f"pollux-rdzv-watch-{self.worker}")
         self._watcher.start()
@@ -273,10 +281,17 @@ class Rendezvous:
             raise RendezvousError(
                 f"{' and '.join(missing)} not set: start workers with pollux-run, or set "
                 f"{ENV_STORE}=embedded:///path/store.db and {ENV_JOB}=<job name>")
-        try:
-            store = envvars.store_from_env(env, **store_options)
-        except StoreError as exc:
-            raise RendezvousError(f"{ENV_STORE}={env[ENV_STORE]!r}: {_line(exc)}") from None
+        wait = _StoreWait(env[ENV_JOB], (config or RendezvousConfig()).join_timeout)
+        while True:  # unreachable now (a stall, a restart) is not a reason to give up yet
+            try:
+                store = envvars.store_from_env(env, **store_options)
+                break
+            except StoreUnavailable as exc:
+                if not wait.again(exc):
+                    raise RendezvousError(
+                        f"{ENV_STORE}={env[ENV_STORE]!r}: {_line(exc)}") from None
+            except StoreError as exc:
+                raise RendezvousError(f"{ENV_STORE}={env[ENV_STORE]!r}: {_line(exc)}") from None
         return cls(store, env[ENV_JOB], env.get(ENV_WORKER_ID), env.get(ENV_NODE), config,
                    owns_store=True)
 
@@ -523,6 +538,8 @@ class Rendezvous:
         info = GroupInfo(state.round, rank, ws, state.members, state.alloc_version,
                          state.reason, state.newcomers, self.backend, state.master_addr,
                          state.master_port, state.nodes)
+        if self.info is None:  # its first round: from now on its failures are the job's
+            _tell_agent(envvars.EXIT_JOINED, self.worker)
         with self._lock:
             self.group, self.info = group, info
             self._round, self._rank = state.round, rank
@@ -748,12 +765,8 @@ class Rendezvous:
         """Stop the threads and revoke the lease (this worker's keys vanish now). With
         ``departed`` tell the node agent (``POLLUX_EXIT_FILE``) that this worker leaves
         because a round formed without it: its exit 0 is no completion of the job."""
-        if departed and os.environ.get(envvars.EXIT_FILE):
-            try:
-                with open(os.environ[envvars.EXIT_FILE], "w") as f:
-                    f.write(envvars.EXIT_DEPARTED + "\n")
-            except OSError as exc:  # the agent then judges by the allocation, as before
-                log.warning("worker %s: cannot write its exit file: %s", self.worker, exc)
+        if departed:
+            _tell_agent(envvars.EXIT_DEPARTED, self.worker)
         self._closed = True
         self._stop.set()
         if self._watcher is not threading.current_thread():
@@ -780,6 +793,40 @@ class Rendezvous:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tell_agent(word: str, worker: str) -> None:
+    """Tell the node agent where this worker stands (``POLLUX_EXIT_FILE``, read when it
+    exits): ``joined`` its job's group, or ``departed`` because a round formed without
+    it (exit 0 is then no completion of the job)."""
+    path = os.environ.get(envvars.EXIT_FILE)
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(word + "\n")
+    except OSError as exc:  # the agent then judges by the allocation, as before
+        log.warning("worker %s: cannot write its exit file: %s", worker, exc)
+
+
+class _StoreWait:
+    """A starting worker's wait for an unreachable store (a stall, a restart), up to the
+    join timeout: said once, then a retry every second."""
+
+    def __init__(self, job: str, timeout: float) -> None:
+        self.job, self.deadline, self.said = job, time.monotonic() + timeout, False
+
+    def again(self, exc: BaseException) -> bool:
+        """Whether to try again (after a pause); False once the timeout has passed."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if not self.said:
+            self.said = True
+            log.warning("job %s: store unreachable (%s); waiting for it up to %.0f s", self.job,
+                        _line(exc), left)
+        time.sleep(min(1.0, left))
+        return True
 
 
 def _line(exc: BaseException) -> str:

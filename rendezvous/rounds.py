@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pollux_launch import keys
-from pollux_launch.messages import MAX_INT, MAX_REPLICAS, named, within
+from pollux_launch.messages import MAX_INT, MAX_REPLICAS, decode, named, within
 
 REASONS = ("allocation", "failure", "membership")
 
@@ -143,6 +143,19 @@ class JobKeys:
 
     def state(self, r: int) -> str:
         return self.round_prefix(r) + "state"
+
+
+def last_formed(job: JobKeys, values: Mapping[str, str]) -> RoundState | None:
+    """The job's last formed round in ``values`` (store key -> value, e.g. one read of the
+    job's prefix): the round its pointer names once formed, else the formed one before
+    it; None before any round formed. Raises MessageError on a malformed value."""
+    if job.round not in values:
+        return None
+    ptr = decode(RoundInfo, values[job.round])
+    for r in (ptr.round, ptr.prev_round):
+        if r and job.state(r) in values:
+            return decode(RoundState, values[job.state(r)])
+    return None
 
 
 # -- who is in a round, in which rank order ------------------------------------------------

@@ -36,7 +36,13 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 from pollux_launch import keys
-from pollux_launch.launcher.drivers import DriverContext, JobDriver, ProcessExit, WorkerGroup
+from pollux_launch.launcher.drivers import (
+    DevicesBusy,
+    DriverContext,
+    JobDriver,
+    ProcessExit,
+    WorkerGroup,
+)
 from pollux_launch.messages import (
     Allocation,
     JobSpec,
@@ -163,7 +169,7 @@ class HorovodTaskDriver(JobDriver):
         super().__init__(spec, ctx)
         self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
                                  output_dir=ctx.output_dir, stdout=ctx.stdout,
-                                 log_file=ctx.log_file(spec))
+                                 log_file=ctx.log_file(spec), devices=ctx.devices)
         self.values = ValueLog(log)
         _check_hostname(ctx.node.address)
 
@@ -204,7 +210,13 @@ class HorovodTaskDriver(JobDriver):
             env = {**node_env, **task_variables(task.env)}
             if "HOROVOD_GLOO_IFACE" in node_env:  # this node's interface, not the launcher's
                 env["HOROVOD_GLOO_IFACE"] = node_env["HOROVOD_GLOO_IFACE"]
-            self.group.start(task_id, env, label=env.get("HOROVOD_RANK"))
+            local_rank = env.get("HOROVOD_LOCAL_RANK", "")
+            try:  # (its GPU at Horovod's local rank: hvd.local_rank() indexes the visible)
+                self.group.start(task_id, env, label=env.get("HOROVOD_RANK"),
+                                 local_rank=int(local_rank) if local_rank.isdigit() else None)
+            except DevicesBusy:  # another process of this machine holds the GPUs: later
+                deferred += 1
+                continue
             free_slots -= 1
         return deferred
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pollux_launch import env as envvars
 from pollux_launch.rendezvous.protocol import (
     ENV_JOB,
     GroupInfo,
@@ -163,6 +164,7 @@ def init(backend: str | None = None, config: RendezvousConfig | None = None) -> 
     if _current is not None:
         return _current
     if os.environ.get(ENV_JOB):
+        _pin_device()
         config = config or RendezvousConfig(backend=backend)
         rdzv = Rendezvous.from_env(config)
         job = ElasticJob(rdzv, backend)
@@ -191,9 +193,21 @@ def current_job() -> ElasticJob:
     return init()
 
 
+def _pin_device() -> None:
+    """Make the GPU this worker's agent gave it the current CUDA device, for good: a
+    process keeps its device across rounds (its CUDA context and tensors live there)."""
+    index = envvars.own_gpu_index()
+    if index is not None and torch.cuda.is_available():
+        torch.cuda.set_device(index)
+
+
 def _export_env(p: Placement, info: GroupInfo) -> None:
+    # LOCAL_RANK indexes the worker's own GPU where its agent gave it one (it never moves:
+    # a torchrun-style cuda:LOCAL_RANK after a rescale must not land on another's GPU)
+    device = envvars.own_gpu_index()
+    local_rank = p.local_rank if device is None else device
     os.environ.update({
-        "RANK": str(p.rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(p.local_rank),
+        "RANK": str(p.rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(p.local_world_size), "MASTER_ADDR": info.master_addr,
         "MASTER_PORT": str(info.master_port),
     })

@@ -21,8 +21,8 @@ from ..messages import NodeInfo
 from ..rendezvous.network import advertised_address, interface_of
 from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
 from . import security
+from .devices import detect_gpus, node_slots, parse_gpus
 from .node_agent import NodeAgent
-from .run import local_slots_default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this node's name")
     parser.add_argument("--slots", type=slot_count, default=None,
                         help="workers this node can run (default: its GPUs, else CPU cores)")
+    parser.add_argument("--gpus", default=None, metavar="N|IDS",
+                        help="this node's GPUs, each worker holding one: a count or "
+                        "CUDA_VISIBLE_DEVICES ids (0,2,5); 'none' for CPU slots (default: "
+                        "those of CUDA_VISIBLE_DEVICES, else the driver's)")
     parser.add_argument("--address", default=None,
                         help="address other nodes reach this one at (default: this host's "
                         "address on the route to the store)")
@@ -53,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s agent[{args.node_name}] %(levelname)s %(message)s")
-    slots = args.slots if args.slots is not None else local_slots_default()
+    gpus = parse_gpus(args.gpus) if args.gpus is not None else detect_gpus()
+    slots = node_slots(gpus, args.slots)
     secret = security.load_secret(args.secret_file)
     state_dir = args.state_dir or os.path.join(
         os.path.expanduser("~"), ".local", "state", "pollux-launch", f"agent-{args.node_name}")
@@ -69,11 +74,12 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     node = NodeInfo(args.node_name, slots, address, time.time())
     nic = args.network_interface or interface_of(address) or "(none found: transports default)"
-    logging.info("node %s: %d slots at %s (interface %s), store %s", node.name, slots, address,
-                 nic, url)
+    logging.info("node %s: %d slots%s at %s (interface %s), store %s", node.name, slots,
+                 f" (GPUs {','.join(gpus)})" if gpus else "", address, nic, url)
     with store:
         NodeAgent(store, node, url, args.store_prefix, secret=secret,
                   output_dir=args.output_filename, lease_ttl=args.lease_ttl,
                   ifname=args.network_interface, state_dir=state_dir,
-                  log_dir=args.log_dir or os.path.join(state_dir, "logs")).serve(stop)
+                  log_dir=args.log_dir or os.path.join(state_dir, "logs"),
+                  gpus=gpus).serve(stop)
     return 0

@@ -21,8 +21,9 @@ launcher never imports a framework it does not run).
 This module is the launcher's whole interface for a framework's driver (a plug-in such
 as ``pollux_launch.adapters.horovod``): :class:`JobDriver` to subclass, the
 :class:`DriverContext` it is given, :class:`ProcessExit` to report, :class:`WorkerGroup`
-to run processes with, :class:`OptionsError` for ``preflight`` and
-:func:`replica_limit`. A plug-in imports these from here, nothing else of the launcher.
+to run processes with (:class:`DevicesBusy` when no GPU is free for one),
+:class:`OptionsError` for ``preflight`` and :func:`replica_limit`. A plug-in imports
+these from here, nothing else of the launcher.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import importlib
 import json
 import logging
 import os
+import time
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -40,10 +42,12 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 from .. import env as envvars
 from .. import keys
 from ..arguments import OptionsError
-from ..messages import MAX_REPLICAS, Allocation, JobSpec, NodeInfo, ValueLog
+from ..messages import MAX_REPLICAS, Allocation, JobSpec, MessageError, NodeInfo, ValueLog
 from ..peer_failure import recorded_peer_failure
 from ..rendezvous.network import transport_env
-from ..rendezvous.store import Store
+from ..rendezvous.rounds import JobKeys, last_formed
+from ..rendezvous.store import Store, StoreError
+from .devices import DevicePool, DevicesBusy
 from .frameworks import insert_local_rank
 from .logs import job_log_file
 from .workers import ExitKind, Worker, WorkerGroup, classify_exit
@@ -52,12 +56,14 @@ if TYPE_CHECKING:
     from .options import LaunchOptions
 
 __all__ = [
-    "DRIVERS", "FRAMEWORK_DRIVERS", "DriverContext", "JobDriver", "OptionsError",
+    "DRIVERS", "FRAMEWORK_DRIVERS", "DevicesBusy", "DriverContext", "JobDriver", "OptionsError",
     "ProcessExit", "ReplicaDriver", "Side", "WorkerGroup", "driver_class", "driver_classes",
     "replica_limit",
 ]
 
 Side = Literal["node", "launcher"]
+# the longest back-off before a newcomer that failed before joining is started again
+NEWCOMER_BACKOFF_MAX = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +102,7 @@ class DriverContext:
     # job -> the store variables of the job's own scoped user ({} where none is needed)
     credentials: Callable[[str], dict[str, str]] | None = None
     log_dir: str | None = None  # where the node keeps its jobs' output (launcher/logs.py)
+    devices: DevicePool | None = None  # the node's GPUs (None: it has none), devices.py
 
     def log_file(self, spec: JobSpec) -> str | None:
         """The file ``spec``'s output on this node goes to (for ``WorkerGroup``), if any."""
@@ -127,6 +134,8 @@ class ProcessExit:
     code: int
     kind: ExitKind
     detail: str = ""  # e.g. "rank 1: RuntimeError: ..." (from torchrun's error file)
+    # the group it ran in, where the driver knows it (completion.generation; restart.py)
+    generation: tuple[int, int, int] | None = None
 
 
 class JobDriver(ABC):
@@ -182,8 +191,10 @@ class ReplicaDriver(JobDriver):
         super().__init__(spec, ctx)
         self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
                                  output_dir=ctx.output_dir, stdout=ctx.stdout,
-                                 log_file=ctx.log_file(spec))
+                                 log_file=ctx.log_file(spec), devices=ctx.devices)
         self.values = ValueLog(log)  # a bad value is logged once per key and revision
+        # newcomers that failed before joining, in a row, and when to start another
+        self._strikes, self._retry_at = 0, -float("inf")
 
     @classmethod
     def wanted(cls, alloc: Allocation | None, node: str) -> bool:
@@ -195,11 +206,25 @@ class ReplicaDriver(JobDriver):
     def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
         # every worker not reaped yet counts: one that ended since the agent reaped is
         # judged at the next reap (its job may have completed), never replaced blindly
+        return self._start_missing(alloc, free_slots)
+
+    def _start_missing(self, alloc: Allocation | None, free_slots: int,
+                       restarts: int = 0) -> int:
+        """Start the workers ``alloc`` places here beyond those running, as many as
+        ``free_slots`` (and free GPUs) allow; returns how many wait for a slot."""
         running = len(self.group.workers)
         want = self._want(alloc)
+        if time.monotonic() < self._retry_at:  # a newcomer failed before joining: back off
+            return max(0, want - running)
         start = min(want, running + max(0, free_slots))
-        for local_rank in range(running, start):
-            self._start(alloc, local_rank)
+        # (their GPUs first, so that the workers started together see each other's; fewer
+        # when another process of this machine holds some)
+        start = running + self.group.reserve(start - running)
+        try:
+            for local_rank in range(running, start):
+                self._start(alloc, local_rank, restarts)
+        finally:
+            self.group.unreserve()
         return max(0, want - start)
 
     def _start(self, alloc: Allocation | None, local_rank: int, restarts: int = 0):
@@ -215,7 +240,14 @@ class ReplicaDriver(JobDriver):
         command = self.spec.command
         if self.spec.framework == "deepspeed":  # as the deepspeed launcher passes it
             command = insert_local_rank(command, local_rank)
-        return self.group.start(worker_id, extra, label=extra.get("RANK"), command=command)
+        worker = self.group.start(worker_id, extra, label=extra.get("RANK"), command=command,
+                                  local_rank=local_rank)
+        self.started(worker, alloc)
+        return worker
+
+    def started(self, worker: Worker, alloc: Allocation | None) -> None:
+        """Hook: ``worker`` of ``alloc`` has just started (RestartDriver notes its
+        generation)."""
 
     def slots_held(self) -> int:
         return len(self.group.workers)  # (until reaped, an ended worker's slot is not free)
@@ -274,20 +306,55 @@ class ReplicaDriver(JobDriver):
 
         return sorted(ended, key=key) if self.ctx.runtime_dir else ended
 
-    def _departed(self, worker_id: str) -> bool:
-        """Whether the worker said it left because a new round formed without it (the
-        rendezvous writes its exit file): then exit 0 is a departure, never the job's
-        success, whatever the allocation says by the time it is reaped."""
+    def _said(self, worker_id: str) -> str | None:
+        """What the worker last told its agent through its exit file (read once, at its
+        exit): ``EXIT_JOINED`` - it joined its job's group; ``EXIT_DEPARTED`` - it left
+        because a new round formed without it, so exit 0 is a departure, never the job's
+        success, whatever the allocation says by the time it is reaped; None: neither."""
         if not self.ctx.runtime_dir:
-            return False
+            return None
         path = self._exit_file(worker_id)
         try:
             with open(path) as f:
                 said = f.read(64).strip()
             os.unlink(path)
         except OSError:
-            return False
-        return said == envvars.EXIT_DEPARTED
+            return None
+        return said
+
+    def _survivors(self, worker_id: str) -> list[str]:
+        """The live members of the job's last formed round other than ``worker_id``: those
+        who carry the job on without it (one read of the job's rendezvous keys)."""
+        k = JobKeys(self.spec.name)
+        values = {kv.key: kv.value for kv in self.ctx.store.get_prefix(k.rdzv)}
+        try:
+            formed = last_formed(k, values)
+        except MessageError:
+            return []  # (the rendezvous says so in its workers' logs)
+        return [w for w in formed.members if w != worker_id and k.worker(w) in values] \
+            if formed is not None else []
+
+    def _never_joined(self, worker: Worker, code: int) -> ProcessExit | None:
+        """A live job's worker that failed before it ever joined the job's group (e.g. a
+        newcomer that could not reach the store as it started) while others carry the job
+        on: lost, not the job's failure - it is started again after a back-off that
+        doubles with each such failure in a row. None where that is not the case."""
+        try:
+            survivors = self._survivors(worker.worker_id)
+        except StoreError:
+            survivors = []  # cannot tell: the failure is the job's, as before
+        if not survivors:
+            return None
+        now = time.monotonic()
+        self._strikes = self._strikes + 1 if now - self._retry_at < NEWCOMER_BACKOFF_MAX \
+            else 1
+        wait = min(NEWCOMER_BACKOFF_MAX, 2.0 ** self._strikes)
+        self._retry_at = now + wait
+        log.warning("job %s: worker %s exited %d before it joined the job, which goes on "
+                    "with %d worker(s); starting another in %.0f s", self.spec.name,
+                    worker.worker_id, code, len(survivors), wait)
+        return ProcessExit(worker.worker_id, code, "lost",
+                           f"rank {worker.label}: exited {code} before joining the job")
 
     def _torch_env(self, alloc: Allocation | None, local_rank: int,
                    restarts: int = 0) -> dict[str, str]:
@@ -327,7 +394,8 @@ class ReplicaDriver(JobDriver):
         """One port per job, allocation and restart, the same on every node (a group
         started again never meets its predecessor's store)."""
         text = f"{self.spec.name}/{alloc.term}/{alloc.version}/{restarts}"
-        return 20000 + zlib.crc32(text.encode()) % 20000
+        # below Linux's ephemeral ports (32768-60999): an outgoing connection never holds it
+        return 20000 + zlib.crc32(text.encode()) % 12000
 
     def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
         ended = self.group.reap()
@@ -336,11 +404,15 @@ class ReplicaDriver(JobDriver):
         # read the allocation afresh: a worker that left because of a rescale exited
         # after the new allocation was written, perhaps after the caller's last read
         still_allocated = self._want(allocation()) > len(self.group.alive())
-        said = {w.worker_id: self._departed(w.worker_id) for w, _ in ended}
+        said = {w.worker_id: self._said(w.worker_id) for w, _ in ended}
         out = []
         for w, code in self.first_failures_first(ended):
-            kind = classify_exit(code, still_allocated and not said[w.worker_id])
-            out.append(self.failed(w, code) if kind == "failed"
+            departed = said[w.worker_id] == envvars.EXIT_DEPARTED
+            kind = classify_exit(code, still_allocated and not departed)
+            joined = said[w.worker_id] is not None
+            lost = (self._never_joined(w, code) if kind in ("failed", "lost") and not joined
+                    else None)
+            out.append(lost if lost is not None else self.failed(w, code) if kind == "failed"
                        else ProcessExit(w.worker_id, code, kind))
         return out
 

@@ -23,12 +23,13 @@ Protocol (keys in ``pollux_launch.keys``):
   this job, unexpired, not a finished submission again); a refused job fails at once
   (exit ``REFUSED``), so that it holds no slots.
 * Reports exits as the driver classifies them: a worker that ends with exit 0 while
-  still allocated completed the script: no process is replaced any more, and once the
-  job's other workers here exited too (or ``FINISH_GRACE`` passed) the job is
-  ``succeeded``; any other non-zero exit
-  fails the job (its workers are stopped everywhere and its slots freed); a worker
-  killed by a signal is lost and the job goes on with its survivors (the next
-  allocation replaces it). A framework driver's own exit code is the job's.
+  still allocated completed the script: it is recorded, no process of the job is
+  started or replaced any more, and once every worker of the job's final group has
+  completed the job is ``succeeded`` (:mod:`.completion`; the others run as long as
+  they run); any other non-zero exit fails the job (its workers are stopped everywhere
+  and its slots freed); a worker killed by a signal is lost and the job goes on with its
+  survivors (the next allocation replaces it) - unless its group is completing, which
+  fails it. A framework driver's own exit code is the job's.
 * SIGTERM drains: workers get SIGTERM, the lease is revoked, the process exits.
 """
 
@@ -41,21 +42,26 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
 from .. import env as envvars
 from .. import keys
 from ..messages import (
     Allocation,
+    JobGpus,
     JobSpec,
     JobStatus,
     NodeInfo,
     ValueLog,
+    WorkerFinished,
     encode,
 )
 from ..rendezvous.store import Compare, Put, Store, StoreError, StoreUnavailable
 from .admission import Admission
+from .completion import completion, generation
+from .devices import DevicePool, default_lock_dir
 from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this module)
     ENV_ADDR,
     ENV_JOB,
@@ -65,6 +71,7 @@ from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this mo
     ENV_WORKER_ID,
     DriverContext,
     JobDriver,
+    ProcessExit,
     Side,
     driver_classes,
 )
@@ -76,11 +83,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REFUSED = 126  # the exit code of a job a node agent refused to run (admission.py)
-_LEAVES = {"spec": JobSpec, "status": JobStatus, "allocation": Allocation}
+_LEAVES = {"spec": JobSpec, "status": JobStatus, "allocation": Allocation, "signature": None}
+# leaves kept as text for completion.py: its workers' records, its group, its rounds
+_RAW = (keys.FINISHED, "generation", "rdzv/round")
 
-# After one worker completed the script (exit 0 while allocated), how long the job's other
-# workers on this node get to complete it too before the job is reported succeeded.
-FINISH_GRACE = 30.0
+
+@dataclass
+class _JobView:
+    """One job as one read of the store shows it to an agent."""
+
+    spec: JobSpec | None = None
+    status: JobStatus | None = None
+    alloc: Allocation | None = None
+    spec_text: str = ""
+    signature: str | None = None
+    values: dict[str, str] = field(default_factory=dict)  # the _RAW leaves: key -> value
 
 
 class NodeAgent:
@@ -103,13 +120,18 @@ class NodeAgent:
         ifname: str | None = None,
         state_dir: str | None = None,
         log_dir: str | None = None,
+        gpus: Sequence[str] = (),
     ) -> None:
         """``sides``: which drivers this agent runs (``"node"``: it registers the node and
         runs per-replica workers; ``"launcher"``: it runs the framework drivers of the
         jobs it launched, ``launch_options`` being their pollux-run flags); ``state_dir``:
         where the agent keeps what must outlive it (``admission.py``); ``log_dir``: where
-        a registered node keeps and serves its jobs' output (``logs.py``)."""
+        a registered node keeps and serves its jobs' output (``logs.py``); ``gpus``: the
+        node's GPUs, each worker holding one (``devices.py``; none: CPU slots)."""
         self.log_dir = log_dir
+        node = dataclasses.replace(node, gpus=tuple(gpus))
+        self.devices = DevicePool(gpus, default_lock_dir(node.name)) if gpus else None
+        self._gpus_said: dict[str, tuple[str, ...]] = {}  # job -> its GPUs as published
         self.store, self.node = store, node  # (the secret lives in self.admission)
         self.store_url, self.store_prefix = store_url, store_prefix
         self.only_jobs, self.output_dir, self.stdout = only_jobs, output_dir, stdout
@@ -119,14 +141,14 @@ class NodeAgent:
         self.runtime_dir = tempfile.mkdtemp(prefix=f"pollux-agent-{node.name}-")
         self.context = DriverContext(store, store_url, store_prefix, node, output_dir, stdout,
                                      launch_options, local, ifname, self.runtime_dir,
-                                     self._credentials, log_dir=log_dir)
+                                     self._credentials, log_dir=log_dir,
+                                     devices=self.devices)
         self._scoped: dict[str, dict[str, str]] = {}  # job -> its processes' store variables
         self.drivers: dict[tuple[str, Side], JobDriver] = {}  # (job, side) -> its driver
         self.exits: list[tuple[str, str, int]] = []  # (job, worker id, code), for callers
         self.admission = Admission(secret, state_dir, clock)
         self._refused: set[str] = set()
-        self._incarnation: dict[str, int] = {}  # job -> its spec's create revision
-        self._finishing: dict[str, float] = {}  # job -> when to stop waiting for the rest
+        self._incarnation: dict[str, str] = {}  # job -> its spec's submission id
         self._lease = 0
         self._owns_node = False
         self._node_lock = threading.Lock()  # (set_slots from the discovery thread)
@@ -145,6 +167,7 @@ class NodeAgent:
             self._keeper.stop()
         self._lease = self.store.lease_grant(self.lease_ttl)
         self._keeper = self.store.keep_alive(self._lease, self.lease_ttl / 3)
+        self._gpus_said = {}  # (put under the old lease: gone with it)
         self._put_node()
 
     def _put_node(self) -> None:
@@ -185,10 +208,12 @@ class NodeAgent:
         ones and stop those of finished jobs. Reaping first means a worker that just
         finished the job is never replaced."""
         self._reap()
-        for name, (spec, status, alloc, spec_text, signature, born) in self._read_jobs().items():
-            if born and self._incarnation.setdefault(name, born) != born:
+        for name, view in self._read_jobs().items():
+            spec, status = view.spec, view.status
+            if spec is not None and self._incarnation.setdefault(name, spec.submission) \
+                    != spec.submission:
                 self._forget(name)  # a new job of a finished one's name
-                self._incarnation[name] = born
+                self._incarnation[name] = spec.submission
             if status is not None and status.finished:
                 if spec is not None:
                     self.admission.finished(spec)
@@ -202,9 +227,11 @@ class NodeAgent:
                 continue
             if spec is None:
                 continue
+            if completion(spec, view.alloc, view.values).begun:
+                continue  # its script completed somewhere: nothing is started or replaced
             for cls in driver_classes(spec.framework, spec.elasticity):
                 if cls.side in self.sides:
-                    self._drive(cls, spec, status, alloc, spec_text, signature)
+                    self._drive(cls, spec, status, view.alloc, view.spec_text, view.signature)
         self._publish_workers()
 
     def _forget(self, name: str) -> None:
@@ -215,7 +242,6 @@ class NodeAgent:
             if driver is not None:
                 driver.stop(grace=5.0)
         self._newest.pop(name, None)
-        self._finishing.pop(name, None)
         self._refused.discard(name)
 
     def _scoped_name(self, job: str) -> str:
@@ -255,8 +281,10 @@ class NodeAgent:
                 log.warning("job %s: could not remove its store user (%s)", job, exc)
 
     def _free_slots(self) -> int:
-        return self.node.slots - sum(d.slots_held() for (_, side), d in self.drivers.items()
+        free = self.node.slots - sum(d.slots_held() for (_, side), d in self.drivers.items()
                                      if side == "node")
+        # (local mode: other pollux-run on this machine may hold GPUs this one does not)
+        return min(free, self.devices.free()) if self.devices and free > 0 else free
 
     def _once(self, what: str, job: str, alloc: Allocation) -> bool:
         key = (what, job, *alloc.order)
@@ -272,11 +300,34 @@ class NodeAgent:
         for (name, side), driver in self.drivers.items():
             if side == "node" and driver.slots_held():
                 counts[name] = counts.get(name, 0) + driver.slots_held()
+        self._publish_gpus()
         if counts == self._workers or not self.registers:
             return
         self._workers = counts
         if self._owns_node and not self.local:
             self._put_node()
+
+    def _publish_gpus(self) -> None:
+        """Put ``jobs/<job>/gpus/<node>`` (under this agent's lease) where the GPUs a job's
+        workers hold here changed; delete it where they hold none any more."""
+        if self.devices is None or not self._lease:
+            return
+        held: dict[str, list[str]] = {}
+        for gpu, owner in self.devices.owners().items():
+            held.setdefault(owner.partition("/")[0], []).append(gpu)
+        order = {gpu: i for i, gpu in enumerate(self.node.gpus)}
+        now = {job: tuple(sorted(g, key=order.__getitem__)) for job, g in held.items()}
+        for job in sorted(set(now) | set(self._gpus_said)):
+            if now.get(job) == self._gpus_said.get(job):
+                continue
+            key = keys.job_gpus(job, self.node.name)
+            if job in now:
+                self.store.put(key, encode(JobGpus(self.node.name, now[job], self.clock())),
+                               lease=self._lease)
+                self._gpus_said[job] = now[job]
+            else:
+                self.store.delete(key)
+                del self._gpus_said[job]
 
     def _fenced(self, name: str, alloc: Allocation | None) -> Allocation | None:
         """``alloc``, unless it is older than one already seen for the job (then that)."""
@@ -310,8 +361,6 @@ class NodeAgent:
             return
         if driver is None:
             driver = self.drivers[(name, cls.side)] = cls(spec, self.context)
-        if name in self._finishing:
-            return  # the script completed: replace no process
         try:
             deferred = driver.reconcile(alloc, self._free_slots())
         except OSError as exc:
@@ -334,29 +383,48 @@ class NodeAgent:
         return [d for (name, _), d in self.drivers.items() if name == job]
 
     def _reap(self) -> None:
-        for (name, _), driver in list(self.drivers.items()):
+        for (name, side), driver in list(self.drivers.items()):
             for ended in driver.reap(lambda name=name: self._allocation(name)):
                 self.exits.append((name, ended.worker_id, ended.code))
                 log.info("job %s process %s exited %d (%s)", name, ended.worker_id, ended.code,
                          ended.kind)
-                if ended.kind == "finished":  # the others are finishing too: let them
-                    self._finishing.setdefault(name, self.clock() + FINISH_GRACE)
-                elif ended.kind == "failed":
+                if ended.kind == "finished" and side == "launcher":  # (e.g. horovodrun's)
+                    self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
+                elif ended.kind == "finished":
+                    self._finished(name, ended)
+                elif ended.kind == "failed" or (ended.kind == "lost" and self._completing(name)):
                     who = f"{ended.detail.partition(':')[0]} ({ended.worker_id} on " \
                           f"{self.node.name})" if ended.detail else \
                           f"{ended.worker_id} on {self.node.name}"
                     why = ended.detail.partition(":")[2].strip()
+                    if ended.kind == "lost":  # nothing replaces it once its group completes
+                        why = "killed while the rest of its group completed the script"
                     self._set_status(name, JobStatus(
                         "failed", ended.code, f"{who} exited {ended.code}"
                         + (f": {why}" if why else ""), self.clock()))
                     driver.stop(grace=5.0)
-        # after reaping: workers that completed the script together end the job in this
-        # pass, not one poll later
-        for name, deadline in list(self._finishing.items()):
-            if any(d.alive() for d in self._drivers_of(name)) and self.clock() < deadline:
-                continue
-            del self._finishing[name]
+
+    def _finished(self, name: str, ended: ProcessExit) -> None:
+        """A worker completed the script: record it; the job has succeeded once every
+        worker of its final group has (``completion.py``)."""
+        alloc = self._allocation(name)
+        mark = WorkerFinished(self.node.name, ended.generation or generation(alloc, 0),
+                              self.clock())
+        self.store.put(keys.job_finished(name, ended.worker_id), encode(mark))
+        view = self._read_jobs(keys.job(name)).get(name)
+        if view is None or view.spec is None:
+            return
+        done = completion(view.spec, view.alloc, view.values)
+        if done.done:
             self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
+        elif self._once("completing", name, view.alloc or Allocation(0, ())):
+            log.info("job %s: %d of its %d worker(s) completed the script; waiting for the "
+                     "others", name, done.finished, done.group)
+
+    def _completing(self, job: str) -> bool:
+        view = self._read_jobs(keys.job(job)).get(job)
+        return bool(view and view.spec and completion(view.spec, view.alloc,
+                                                      view.values).begun)
 
     def _allocation(self, job: str) -> Allocation | None:
         kv = self.store.get(keys.job(job, "allocation"))
@@ -378,32 +446,35 @@ class NodeAgent:
         guard = [Compare(key, "mod_revision", "==", current.mod_revision if current else 0)]
         self.store.txn(guard, [Put(key, encode(status))])
 
-    def _read_jobs(self):
-        out: dict[str, list] = {}
-        for kv in self.store.get_prefix(keys.JOBS):
+    def _read_jobs(self, prefix: str = keys.JOBS) -> dict[str, _JobView]:
+        """Every job under ``prefix`` (one read), as this agent sees it."""
+        out: dict[str, _JobView] = {}
+        for kv in self.store.get_prefix(prefix):
             split = keys.split_job_key(kv.key)
             if split is None:
                 continue
             name, leaf = split
             if self.only_jobs is not None and name not in self.only_jobs:
                 continue
-            if leaf not in ("spec", "status", "allocation", "signature"):
+            view = out.setdefault(name, _JobView())
+            if leaf not in _LEAVES:
+                if leaf.startswith(_RAW):
+                    view.values[kv.key] = kv.value
                 continue
-            entry = out.setdefault(name, [None, None, None, "", None, 0])
             if leaf == "signature":
-                entry[4] = kv.value.strip('"')[:256]
+                view.signature = kv.value.strip('"')[:256]
                 continue
             value = self.values.read(_LEAVES[leaf], kv.key, kv.value, kv.mod_revision)
             if leaf == "spec" and value is not None and value.name != name:
                 self.values.bad(kv.key, kv.mod_revision, f"is job {value.name!r}'s spec")
             elif leaf == "spec" and value is not None:
-                entry[0], entry[3], entry[5] = value, kv.value, kv.create_revision
+                view.spec, view.spec_text = value, kv.value
             elif leaf == "status":
-                entry[1] = value
+                view.status = value
             elif leaf == "allocation":  # a malformed one changes nothing (see _allocation)
-                entry[2] = (self._fenced(name, value) if value is not None
-                            else self._newest.get(name))
-        return {k: tuple(v) for k, v in out.items()}
+                view.alloc = (self._fenced(name, value) if value is not None
+                              else self._newest.get(name))
+        return out
 
     # -- the service -----------------------------------------------------------------
     def serve(self, stop: threading.Event) -> None:
@@ -434,6 +505,8 @@ class NodeAgent:
     def drain(self) -> None:
         for driver in self.drivers.values():
             driver.stop(grace=10.0)
+        if self.devices is not None:  # (the workers have exited)
+            self.devices.close()
         for job in list(self._scoped):
             self._drop_credentials(job)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)

@@ -35,6 +35,7 @@ from ..arguments import (
 )
 from ..messages import ELASTICITY, MAX_REPLICAS
 from ..rendezvous.store.cli_args import add_store_arguments, store_options, worker_store_env
+from .devices import parse_gpus
 from .frameworks import (
     FRAMEWORKS,
     detect_elasticity,
@@ -135,6 +136,7 @@ class LaunchOptions:
     reports_goodput: bool = True  # the script uses the pollux API
     min_batch_size: int | None = None  # the job's batch-size range (None: the script's)
     max_batch_size: int | None = None
+    gpus: tuple[str, ...] | None = None  # local mode: this machine's GPUs (None: detected)
 
     @property
     def elastic(self) -> bool:
@@ -243,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an adaptation policy for the job's workers (repeatable, in order; "
                    "'pollux' is Pollux's goodput policy, the default, which any given list "
                    "replaces): pollux_launch.elastic.AdaptationPolicy")
+    x.add_argument("--gpus", default=None, metavar="N|IDS",
+                   help="local mode: this machine's GPUs for the workers, one each: a count "
+                   "or CUDA_VISIBLE_DEVICES ids (0,2,5); 'none' for CPU slots (default: "
+                   "the GPUs it has)")
     x.add_argument("--checkpoint-dir", help="folder for the job's durable checkpoints (a path "
                    "every node can reach): a job whose workers all died resumes from the "
                    "newest one")
@@ -466,6 +472,7 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         elasticity=elasticity, elasticity_reason=why, max_restarts=max_restarts,
         stop_grace=ns.restart_grace, reports_goodput=uses_pollux_api(command, cwd),
         min_batch_size=ns.min_batch_size, max_batch_size=ns.max_batch_size,
+        gpus=parse_gpus(ns.gpus) if ns.gpus is not None else None,
     )
 
 

@@ -60,6 +60,7 @@ class RestartDriver(ReplicaDriver):
         self._stop_s: float | None = None  # this node's last measured stop of a generation
         self._probe_stop = threading.Event()
         self._early: list[tuple[Worker, int]] = []  # reaped while stopping, not reported
+        self._generation: Generation | None = None  # the one reconcile starts workers of
 
     # -- the generation -----------------------------------------------------------------
     def _key(self) -> str:
@@ -93,23 +94,23 @@ class RestartDriver(ReplicaDriver):
     def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
         record, _ = self.generation_record()
         current = self._current(alloc, record.restarts)
-        want = self._want(alloc)
         old = [wid for wid in self.group.workers if self._born.get(wid) != current]
         if old:
+            before = len(self.group.workers)
             self._stop(old)
             if any(wid in self.group.workers for wid in old):
                 return 0  # they start once the old generation has left its slots
+            free_slots += before - len(self.group.workers)  # (reaped just now: free)
         if self._stop_began is not None:  # the old generation has gone: how long it took
             self._stop_s = time.monotonic() - self._stop_began
             self._stop_began = None
-        running = len(self.group.workers)
-        start = min(want, running + max(0, free_slots))
-        for local_rank in range(running, start):
-            worker = self._start(alloc, local_rank, record.restarts)
-            self._born[worker.worker_id] = current
-            if worker.label == "0" and alloc is not None:
-                self._measure_startup(alloc, record.restarts)
-        return max(0, want - start)
+        self._generation = current
+        return self._start_missing(alloc, free_slots, record.restarts)
+
+    def started(self, worker: Worker, alloc: Allocation | None) -> None:
+        self._born[worker.worker_id] = self._generation
+        if worker.label == "0" and alloc is not None and self._generation is not None:
+            self._measure_startup(alloc, self._generation[2])
 
     def _stop(self, old: list[str]) -> None:
         """SIGTERM the old generation (once), SIGKILL it after the grace; wait up to
@@ -150,7 +151,8 @@ class RestartDriver(ReplicaDriver):
                 out.append(ProcessExit(worker.worker_id, code, "departed"))
             elif code == 0:
                 out.append(ProcessExit(worker.worker_id, code,
-                                       "finished" if self._want(alloc) else "departed"))
+                                       "finished" if self._want(alloc) else "departed",
+                                       generation=born))
             elif born is not None and self._restart(born[2], worker.worker_id, code):
                 out.append(ProcessExit(worker.worker_id, code, "departed"))
             else:

@@ -3,8 +3,8 @@
 Two modes, chosen by the store:
 
 * **Local** (embedded store, the default): this process is the whole cluster for its
-  job - it registers this machine as a node (its GPUs, or CPU cores, or ``-H
-  localhost:N`` slots), runs a coordinator candidate (several ``pollux-run`` on one
+  job - it registers this machine as a node (its GPUs, each worker holding one, or CPU
+  cores, or ``-H localhost:N`` slots), runs a coordinator candidate (several ``pollux-run`` on one
   machine share one leader through the store) and a node agent for its own job. The
   job's spec lives under this process's lease, so a killed launcher frees its slots.
 * **Cluster** (``--store etcd://...``): the spec is signed and submitted; node agents
@@ -55,6 +55,7 @@ from ..rendezvous.network import advertised_address
 from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
 from ..rendezvous.store.cli_args import DEFAULT_URL
 from . import security
+from .devices import detect_gpus, node_slots
 from .discovery import DiscoveryError, HostDiscovery
 from .drivers import driver_class
 from .hosts import LOCAL_NAMES
@@ -71,16 +72,22 @@ M = TypeVar("M")
 SPEC_TTL = 30 * 24 * 3600.0
 
 
-def local_slots(opts: LaunchOptions) -> int:
-    """This machine's slots: -H/--hostfile if given (local names only), else GPUs or cores."""
+def local_gpus(opts: LaunchOptions) -> tuple[str, ...]:
+    """This machine's GPUs for its workers: ``--gpus``, else those it has."""
+    return opts.gpus if opts.gpus is not None else detect_gpus()
+
+
+def local_slots(opts: LaunchOptions, gpus: tuple[str, ...] = ()) -> int:
+    """This machine's slots: -H/--hostfile if given (local names only; at most one per
+    GPU), else its GPUs, or its cores when it has none."""
     if opts.hosts is not None:
         remote = [h.name for h in opts.hosts if h.name not in LOCAL_NAMES]
         if remote:
             raise OptionsError(
                 f"host {remote[0]!r} is not this machine: for several machines run "
                 "`pollux-run agent --store etcd://...` on each and pass --store etcd://...")
-        return sum(h.slots for h in opts.hosts)
-    return local_slots_default()
+        return node_slots(gpus, sum(h.slots for h in opts.hosts), "-H")
+    return node_slots(gpus, None)
 
 
 def _discovery(opts: LaunchOptions, local: bool) -> HostDiscovery | None:
@@ -108,26 +115,10 @@ def discovered_slots(discovery: HostDiscovery) -> int:
     return found
 
 
-# Device files of a GPU driver torch can use (NVIDIA's, AMD's ROCm): without any, the
-# machine has no GPU and pollux-run need not import torch (about 1 s) to count none.
-GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
-
-
 def local_slots_default(gpus_only: bool = False) -> int:
     """This machine's GPUs, or its CPU cores when it has none (``gpus_only``: 0 then)."""
-    gpus = _gpu_count()
+    gpus = len(detect_gpus())
     return gpus if gpus_only else gpus or os.cpu_count() or 1
-
-
-def _gpu_count() -> int:
-    if not any(os.path.exists(path) for path in GPU_DRIVER_FILES):
-        return 0
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # any torch trouble: fall back to CPU slots
-        return 0
 
 
 def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
@@ -137,8 +128,13 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     driver.preflight()  # e.g. Horovod not installed: one line, before anything starts
     url = opts.store or DEFAULT_URL
     local = url.startswith("embedded")
+    if not local and opts.gpus is not None:
+        raise OptionsError("--gpus: in a cluster every node agent declares its own GPUs "
+                           "(`pollux-run agent --gpus ...`); drop the flag here")
     discovery = _discovery(opts, local)
-    slots = (discovered_slots(discovery) if discovery else local_slots(opts)) if local else 0
+    gpus = local_gpus(opts) if local else ()
+    slots = (discovered_slots(discovery) if discovery else local_slots(opts, gpus)) \
+        if local else 0
     if local and opts.min_np > slots and not discovery:  # (discovered hosts may come)
         raise OptionsError(f"--min-np {opts.min_np} is more than this machine's {slots} slots")
     secret = security.load_secret(opts.secret_file)
@@ -166,7 +162,7 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
             agent = NodeAgent(store, node, url, opts.store_prefix, secret=secret,
                               only_jobs={spec.name}, output_dir=opts.output_filename,
                               stdout=stdout, sides=("node", "launcher"), launch_options=opts,
-                              local=True)
+                              local=True, gpus=gpus)
             # the node's record first: the coordinator's first round then places the job
             # at once (a record put after that round costs a second, settled round)
             agent.register()

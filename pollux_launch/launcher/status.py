@@ -1,10 +1,11 @@
 """``pollux-run status [--watch]``: the cluster at a glance.
 
-One table of nodes (slots used / free) and one of jobs (state, kind of elasticity, GPUs
-per node, batch size = replicas x m x (s+1), statistical efficiency, goodput, speedup
-over one GPU, re-allocations, restarts with the progress they lost or what one costs,
-age), all read from the store - nothing is computed that the store does not say,
-except goodput and efficiency, which follow from the job's hints.
+One table of nodes (slots used / free, which job holds each GPU) and one of jobs (state,
+kind of elasticity, GPUs per node and which, batch size = replicas x m x (s+1),
+statistical efficiency, goodput, speedup over one GPU, re-allocations, restarts with the
+progress they lost or what one costs, age), all read from the store - nothing is
+computed that the store does not say, except goodput and efficiency, which follow from
+the job's hints.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..messages import (
     Allocation,
     AutoscaleStatus,
     JobGeneration,
+    JobGpus,
     JobHints,
     JobRestarts,
     JobSpec,
@@ -104,11 +106,16 @@ def render(store: Store, now: float | None = None) -> str:
     jobs: dict[str, dict[str, object]] = {}
     kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation,
              "restarts": JobRestarts, "generation": JobGeneration}
+    held: dict[str, dict[str, tuple[str, ...]]] = {}  # job -> node -> the GPUs its workers hold
     for kv in store.get_prefix(keys.JOBS):
         split = keys.split_job_key(kv.key)
-        if split and split[1] in kinds:
+        if split and (split[1] in kinds or split[1].startswith("gpus/")):
             try:
-                jobs.setdefault(split[0], {})[split[1]] = decode(kinds[split[1]], kv.value)
+                if split[1] in kinds:
+                    jobs.setdefault(split[0], {})[split[1]] = decode(kinds[split[1]], kv.value)
+                else:
+                    gpus = decode(JobGpus, kv.value)
+                    held.setdefault(split[0], {})[gpus.node] = gpus.gpus
             except MessageError:
                 bad.append(kv.key)
     used: Counter[str] = Counter()
@@ -120,9 +127,11 @@ def render(store: Store, now: float | None = None) -> str:
         placed = Counter(alloc.nodes) if alloc and not (status and status.finished) else Counter()
         used.update(placed)
         fig = job_figures(hints) if hints else {}
+        on = held.get(name, {})
         rows.append([
             name, state, spec.elasticity if spec else "-",
-            ",".join(f"{n}:{k}" for n, k in sorted(placed.items())) or "-",
+            ",".join(f"{n}:{k}" + (f"[{_ids(on[n])}]" if on.get(n) else "")
+                     for n, k in sorted(placed.items())) or "-",
             str(fig.get("batch") or "-") if hints else "-",
             _fmt(fig.get("efficiency"), ".2f"), _fmt(fig.get("goodput"), ".0f"),
             _fmt(fig.get("speedup"), ".2f"),
@@ -136,9 +145,10 @@ def render(store: Store, now: float | None = None) -> str:
         # reports (a slot is free only when neither holds it)
         running = sum(max(0, k) for k in n.workers.values())
         node_rows.append([n.name, str(n.slots), str(used[n.name]), str(running or "-"),
-                          str(max(0, n.slots - max(used[n.name], running)))])
-    out = [_table(["NODE", "SLOTS", "USED", "RUNNING", "FREE"],
-                  node_rows or [["(no nodes)", "", "", "", ""]])]
+                          str(max(0, n.slots - max(used[n.name], running))),
+                          _node_gpus(n, held)])
+    out = [_table(["NODE", "SLOTS", "USED", "RUNNING", "FREE", "GPUS (JOB)"],
+                  node_rows or [["(no nodes)", "", "", "", "", ""]])]
     kv = store.get(keys.AUTOSCALE)
     if kv is not None:
         try:
@@ -166,6 +176,22 @@ def render(store: Store, now: float | None = None) -> str:
         out.append(f"ignored {len(bad)} malformed store value(s): "
                    f"{', '.join(k[:100] for k in bad[:5])}{more}")
     return "\n\n".join(out)
+
+
+def _ids(gpus: tuple[str, ...]) -> str:
+    return ",".join(gpus)
+
+
+def _node_gpus(node: NodeInfo, held: dict[str, dict[str, tuple[str, ...]]]) -> str:
+    """Which job holds each of the node's GPUs, e.g. ``0,1=train 2=eval 3=free``
+    ("-": a node of CPU slots)."""
+    if not node.gpus:
+        return "-"
+    owner = {gpu: job for job, per in held.items() for gpu in per.get(node.name, ())}
+    groups: dict[str, list[str]] = {}
+    for gpu in node.gpus:
+        groups.setdefault(owner.get(gpu, "free"), []).append(gpu)
+    return " ".join(f"{_ids(tuple(g))}={who}" for who, g in groups.items())
 
 
 def _wanted(hints: JobHints) -> str:

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import IO, Literal
 
 from .. import env as envvars
+from .devices import DevicePool, DevicesBusy, worker_env
 from .logs import LogSink
+from .spawn import dying_with_parent
 
 ExitKind = Literal["finished", "departed", "lost", "failed"]
 
@@ -44,6 +46,7 @@ class Worker:
     worker_id: str
     proc: subprocess.Popen
     label: str = ""  # what its output lines are prefixed with (its rank)
+    gpus: tuple[str, ...] = ()  # the GPU(s) it holds until reaped (devices.py)
     ended_at: float | None = None  # when its output ended: (about) when it exited
     threads: list[threading.Thread] = field(default_factory=list)
 
@@ -68,8 +71,13 @@ class WorkerGroup:
         stdout: IO[str] | None = None,
         prefix_output: bool = True,
         log_file: str | os.PathLike | None = None,
+        devices: DevicePool | None = None,
     ) -> None:
+        """``devices``: the node's GPUs, shared by every group of its agent (None: a node
+        without GPUs): each worker holds one from its start until it is reaped."""
         self.job, self.command, self.env, self.cwd = job, list(command), dict(env), cwd
+        self.devices = devices
+        self._reserved: list[str] = []  # GPUs claimed for workers about to start
         # the node's copy of the job's output, as printed (served by launcher/logs.py)
         self.log_sink = LogSink(log_file) if log_file else None
         self.output_dir = Path(output_dir) if output_dir else None
@@ -80,21 +88,61 @@ class WorkerGroup:
         self._lock = threading.Lock()
 
     def start(self, worker_id: str, extra_env: Mapping[str, str], label: str | None = None,
-              command: Sequence[str] | None = None) -> Worker:
+              command: Sequence[str] | None = None, local_rank: int | None = None) -> Worker:
         """Start one worker (``command``: this worker's, if not the group's); ``label``
-        prefixes its output (default: its start order). Raises OSError (one line) if the
-        command cannot run."""
+        prefixes its output (default: its start order). On a node with GPUs it holds one
+        (``CUDA_VISIBLE_DEVICES``: the group's GPUs, its own at ``local_rank``). Raises
+        OSError (one line) if the command cannot run, DevicesBusy if no GPU is free."""
+        gpu = None
+        if self.devices is not None:
+            gpu = self._reserved.pop(0) if self._reserved else self.devices.claim(self.job)
+        try:
+            return self._start(worker_id, extra_env, label, command, local_rank, gpu)
+        except BaseException:
+            if gpu is not None:
+                self.devices.release(gpu)
+            raise
+
+    def reserve(self, n: int) -> int:
+        """Claim GPUs for the next ``n`` workers to start at once (a group that starts
+        together sees all of them); returns how many could be claimed (``n`` on a node
+        without GPUs). ``unreserve`` gives back what was not used."""
+        if self.devices is None:
+            return n
+        while len(self._reserved) < n:
+            try:
+                self._reserved.append(self.devices.claim(self.job))
+            except DevicesBusy:
+                break
+        return len(self._reserved)
+
+    def unreserve(self) -> None:
+        while self._reserved:
+            self.devices.release(self._reserved.pop())
+
+    def _start(self, worker_id: str, extra_env: Mapping[str, str], label: str | None,
+               command: Sequence[str] | None, local_rank: int | None,
+               gpu: str | None) -> Worker:
         index = self._next_index
         self._next_index += 1
+        if gpu is not None:  # (after the job's env: the GPU a worker holds is not the user's)
+            held = [g for w in self.workers.values() for g in w.gpus] + self._reserved
+            extra_env = {**extra_env, **worker_env(gpu, held, local_rank)}
         env = envvars.without_secrets({**os.environ, **self.env, **extra_env})
+        # Killed (SIGKILL) when this thread ends, so a killed node agent takes its workers
+        # along, as a failed node would - set by an exec helper, never by Python code run
+        # between fork and exec (preexec_fn): with the store's gRPC threads it aborted
+        # the child now and then (spawn.py). Raises OSError if the program is missing.
+        argv = dying_with_parent(list(command) if command is not None else self.command,
+                                 env, self.cwd)
         proc = subprocess.Popen(
-            list(command) if command is not None else self.command, env=env, cwd=self.cwd,
+            argv, env=env, cwd=self.cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
             start_new_session=True,  # so that stop() can signal the worker's whole tree
-            preexec_fn=_die_with_parent,
         )
-        worker = Worker(index, worker_id, proc, str(index) if label is None else label)
+        worker = Worker(index, worker_id, proc, str(index) if label is None else label,
+                        gpus=(gpu,) if gpu is not None else ())
         for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             thread = threading.Thread(target=self._pump, args=(worker, name, pipe), daemon=True)
             thread.start()
@@ -140,6 +188,8 @@ class WorkerGroup:
                 for thread in worker.threads:
                     thread.join(timeout=1.0)
                 del self.workers[wid]
+                for gpu in worker.gpus:  # free only now: its process has exited
+                    self.devices.release(gpu)
                 ended.append((worker, code))
         if ended and not self.workers and self.log_sink is not None:
             self.log_sink.close()  # (opened again by a later worker's first line)
@@ -168,17 +218,6 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 _signal_group(worker.proc, signal.SIGKILL)
                 worker.proc.wait()
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when the launching thread dies, so a
-    killed node agent takes its workers along, as a failed node would (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

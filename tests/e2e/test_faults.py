@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from cluster import POLLUX_RUN, Cluster
+from cluster import POLLUX_RUN, WORKER, Cluster
 
 from pollux_launch import keys
 from pollux_launch.messages import Allocation, JobHints, JobRestarts, NodeInfo, decode
@@ -220,3 +220,29 @@ def test_worker_sigkill_is_replaced_and_the_job_goes_on(cluster):
                  "the replacement training with the survivor")
     _assert_finished_whole(cluster, "killed", proc)
     assert len({s["pid"] for s in cluster.steps()}) == 3  # two first workers, one replacement
+
+
+def test_etcd_stall_while_a_newcomer_starts(cluster):
+    """etcd stalls for 20 s just as a grow's newcomer starts (it cannot even open the
+    store): the newcomer waits for the store instead of failing, joins once it is back,
+    and the job - whose survivor trained on - loses nothing."""
+    cluster.coordinator()
+    cluster.agent("n1", 1)
+    cluster.wait(lambda: cluster.store.get(keys.NODES + "n1"), 60, "n1 registered")
+    proc = cluster.submit("newcomer", "-np", "1", "--min-np", "1", "--max-np", "2",
+                          target=0.0, epochs=EPOCHS)
+    cluster.wait(lambda: len(cluster.steps()) >= 10, 120, "the job training")
+    cluster.agent("n2", 1)
+    cluster.wait(lambda: len(cluster.allocation("newcomer")) == 2, 120, "the grow")
+
+    def workers() -> int:  # (not the launcher, whose command line names the script too)
+        return sum(p.cmdline()[1:2] == [WORKER] for p in cluster.workers_left())
+
+    cluster.wait(lambda: workers() == 2, 60, "the newcomer's process")
+    cluster.etcd.pause()
+    time.sleep(20)
+    cluster.etcd.resume()
+    cluster.wait(lambda: sum(s["world"] == 2 for s in cluster.steps()) >= 10, 120,
+                 "the newcomer training with the survivor")
+    _assert_finished_whole(cluster, "newcomer", proc)
+    assert len({s["pid"] for s in cluster.steps()}) == 2  # nobody replaced, nothing restarted
