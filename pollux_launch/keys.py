@@ -17,6 +17,7 @@
     jobs/<job>/exits/<task>       TaskExit, written by the node agent that ran the task
     coordinator/leader            the active coordinator's id, under its lease
     coordinator/autoscale         AutoscaleStatus: the autoscaler's last decision
+    cluster/epoch                 a random token: this store's incarnation (launcher/epoch.py)
 
 Only JSON is stored; see ``pollux_launch.messages``.
 """
@@ -32,6 +33,7 @@ NODES = "nodes/"
 JOBS = "jobs/"
 LEADER = "coordinator/leader"
 AUTOSCALE = "coordinator/autoscale"
+EPOCH = "cluster/epoch"
 
 
 def node(name: str) -> str:

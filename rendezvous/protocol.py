@@ -39,6 +39,7 @@ a SIGKILLed worker's keys vanish within one TTL.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -391,6 +392,9 @@ class Rendezvous:
         alloc = (self._values.read(Allocation, alloc_kv.key, alloc_kv.value,
                                    alloc_kv.mod_revision) if alloc_kv else None)
         if ptr_kv is None:
+            if self._round > 0:  # we were in a round: the store lost the job's rendezvous
+                self._reseed()
+                return _AGAIN
             if alloc is None:
                 return _IDLE
             self._bump(None, None, None, alloc.version, alloc.nodes, "allocation")
@@ -608,13 +612,16 @@ class Rendezvous:
 
     # -- lease and watcher -------------------------------------------------------------------
 
-    def _ensure_lease(self, force: bool = False) -> None:
+    def _ensure_lease(self, force: bool = False) -> bool:
         """Register again if the lease was lost (its keys are gone: others may already
-        have re-formed without this worker, which then finds itself removed)."""
+        have re-formed without this worker, which then finds itself removed); True if
+        it did."""
         with self._lease_lock:
             if force or self._keeper is None or self._keeper.expired.is_set():
                 log.warning("worker %s: lease lost; registering again", self.worker)
                 self._register()
+                return True
+        return False
 
     def _register(self) -> None:
         """Grant a lease, publish the worker under it and keep it alive."""
@@ -632,7 +639,9 @@ class Rendezvous:
         need_full = True
         while not self._stop.is_set():
             try:
-                self._ensure_lease()
+                # a lost lease may mean a new, empty store, whose revisions start again:
+                # look afresh rather than wait for a revision it may not reach for long
+                need_full = self._ensure_lease() or need_full
                 if need_full:
                     rev = self._full_check()
                     need_full = False
@@ -656,10 +665,37 @@ class Rendezvous:
                 need_full = True
                 self._stop.wait(1.0)
 
+    def _reseed(self) -> None:
+        """The store lost the job's rendezvous (wiped, or replaced by a new one) while this
+        worker is in a formed round: put that round back as the job's last formed one, so
+        that the job goes on from it - its members keep their ranks and their training
+        state - with allocation version 0, so that the coordinator's next allocation,
+        whatever its version in the new store, is newer. Whoever of the members comes
+        first does it (create-if-absent); raises StoreError like any store call."""
+        with self._lock:
+            info = self.info
+            if info is None:
+                return
+            self.info = dataclasses.replace(info, alloc_version=0)
+            self._latest_alloc, self._alloc_size = 0, 0
+        k, now = self.keys, time.time()
+        ptr = RoundInfo(info.round, 0, info.nodes, info.reason, timestamp=now)
+        state = RoundState(info.round, 0, info.members, info.master_addr, info.master_port,
+                           info.reason, (), now, info.nodes)
+        if self.store.txn([Compare(k.round, "create_revision", "==", 0)],
+                          [Put(k.round, encode(ptr)), Put(k.state(info.round), encode(state))]):
+            log.warning("job %s: the store lost the job's rendezvous (wiped, or a new store); "
+                        "put back round %d of %d worker(s) from worker %s", self.job,
+                        info.round, info.world_size, self.worker)
+
     def _full_check(self) -> int:
         rev = self.store.revision()
         found = {kv.key: kv.value for kv in
                  (self.store.get(self.keys.allocation), self.store.get(self.keys.round)) if kv}
+        if self.info is not None and self.keys.round not in found:
+            self._reseed()  # (the store lost it: the watcher sees it first when one trains)
+            found = {kv.key: kv.value for kv in (self.store.get(self.keys.allocation),
+                                                 self.store.get(self.keys.round)) if kv}
         workers = self.store.get_prefix(self.keys.workers)
         live = {kv.key for kv in workers}
         with self._lock:

@@ -88,6 +88,13 @@ class EtcdServer:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
 
+    def wipe(self) -> None:
+        """SIGKILL it, delete its data and start an empty one at the same address: a
+        store that lost everything (a wiped data directory, a replaced machine)."""
+        self.kill()
+        shutil.rmtree(self.data_dir / "etcd", ignore_errors=True)
+        self.start()
+
     def pause(self) -> None:
         """SIGSTOP: the server hangs (connections stay open, nothing is answered)."""
         assert self.proc is not None

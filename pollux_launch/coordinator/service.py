@@ -7,8 +7,11 @@ Protocol (keys in ``pollux_launch.keys``):
    run (active/standby); killing the active one hands over within the lease TTL. A
    leader value held by no lease (written by hand, or restored from a backup) would
    never vanish: a candidate deletes it, by compare-and-swap, and campaigns.
-2. A round: read ``nodes/*`` and ``jobs/*/{spec,status,hints,allocation}``; build one
-   ``JobInfo`` per unfinished job; ``policy.optimize``; for each job whose placement
+2. A round: read ``nodes/*`` and ``jobs/*/{spec,status,hints,allocation}`` (and, in the
+   same read, each live job's rendezvous: ``rdzv/workers/*`` and its last formed round's
+   ``state``); build one ``JobInfo`` per unfinished job; ``policy.optimize``, then
+   ``policy.holders.keep_holders`` (a job the policy moves keeps a replica on a node
+   whose worker holds its training state, if any can); for each job whose placement
    changed, write ``Allocation(version + 1, ..., term)``. ``term`` is the create revision
    of this leader's ``coordinator/leader`` key (a fencing token: it grows with every new
    leadership). The writes are transactions (one per ``TXN_OPS`` allocations, etcd's
@@ -36,6 +39,7 @@ jobs are not disturbed because unchanged placements are not rewritten.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -43,11 +47,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import keys
+from ..completion import completion
 from ..messages import (
     REJECTED_EXIT,
     Allocation,
@@ -62,10 +67,13 @@ from ..messages import (
     decode,
 )
 from ..messages import encode as encode_msg
-from ..policy import Policy, PolicyNode
+from ..policy import JobInfo, Policy, PolicyNode
 from ..policy.admission import AdmissionConfig, Candidate, decide_admission
+from ..policy.holders import keep_holders
+from ..policy.placement import pinned_jobs
 from ..policy.rescale_cost import RescaleCost
-from ..rendezvous.store import Compare, Delete, Event, Put, Store, StoreError
+from ..rendezvous.rounds import JobKeys, RoundState, WorkerInfo
+from ..rendezvous.store import Compare, Delete, Event, KeyValue, Put, Store, StoreError
 from .autoscaler import Autoscaler
 from .jobs import SpeedupFn, job_info, model_speedup, model_throughput
 
@@ -75,6 +83,12 @@ _DEAD = -float("inf")  # the missing-since mark of a node presumed dead
 # than its --max-txn-ops (default 128); a round changing more jobs writes several, each
 # guarded by this leader's term
 TXN_OPS = 128
+# a job's rendezvous keys, relative to jobs/<job>/ (rendezvous/rounds.py's JobKeys)
+_RDZV_KEYS = JobKeys("job")
+_RDZV = _RDZV_KEYS.rdzv[len(_RDZV_KEYS.prefix):]  # rdzv/
+_WORKERS = _RDZV_KEYS.workers[len(_RDZV_KEYS.prefix):]  # rdzv/workers/<worker>
+_ROUNDS = _RDZV_KEYS.round_prefix(0)[len(_RDZV_KEYS.prefix):-len("00000000/")]
+_STATE = _RDZV_KEYS.state(0)[len(_RDZV_KEYS.round_prefix(0)) - 1:]  # rdzv/rounds/<r>/state
 
 
 @dataclass
@@ -86,6 +100,13 @@ class _JobView:
     generation: JobGeneration | None = None
     hints_revision: int = 0
     status_revision: int = 0
+    # its rendezvous: the state of its latest formed round (the highest round number
+    # with one) and its registered workers (each key lives under the worker's lease)
+    round_state: KeyValue | None = None
+    state_round: int = -1
+    workers: dict[str, KeyValue] = field(default_factory=dict)
+    # its workers' completion records and its generation, as text (completion.py)
+    finished: dict[str, str] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -132,6 +153,9 @@ class Coordinator:
         self.values = ValueLog(log)  # a bad value is logged once per key and revision
         self._good: dict[str, Allocation] = {}  # per job: the last well-formed allocation
         self._resumed_term: int | None = None  # the term whose autoscaler state we read
+        # per job: (state text, (worker, node) per member) of its latest formed round
+        # (keyed by its text, not its revision: a new store's revisions start again)
+        self._rounds: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {}
 
     # -- one round -------------------------------------------------------------------
     def schedule_once(self) -> dict[str, Allocation]:
@@ -143,6 +167,8 @@ class Coordinator:
             self._resume_autoscaler(now)
         active = [n for n, v in sorted(jobs.items())
                   if v.spec is not None and not (v.status and v.status.finished)]
+        adopted, deferred = self._adopt(active, jobs, present, now)
+        active = [n for n in active if n not in deferred]
         nodes = self._with_grace(present, [jobs[n].allocation for n in active], now)
         self._admitted_now = set()
         if self.admission.enabled:
@@ -158,8 +184,9 @@ class Coordinator:
             for node in alloc.nodes if alloc else ():
                 if node in index:
                     current[j, index[node]] += 1
-        infos = [job_info(v.spec, v.hints, v.allocation, now, self._speedup(n, v), v.generation,
-                          self.cost, self.live_delay, self._memo[n][2])
+        infos = [job_info(_as_scheduled(v, n in adopted), v.hints, v.allocation, now,
+                          self._speedup(n, v), v.generation, self.cost, self.live_delay,
+                          self._memo[n][2])
                  for n, v in ((n, jobs[n]) for n in active)]
         held = _held({name: jobs[name].allocation for name in active})
         drain = (self.autoscaler.round(infos, present, held, now) if self.autoscaler
@@ -167,9 +194,12 @@ class Coordinator:
         free = [PolicyNode(n.name, 0 if n.name in drain else _capacity(n, held.get(n.name, {})))
                 for n in nodes]
         target = current
+        stranded = np.zeros(len(active), dtype=bool)
         if active and nodes:
             try:
-                target = self.policy.optimize(infos, free, current)
+                chosen = self.policy.optimize(infos, free, current)
+                target, stranded = self._keep_holders(active, jobs, index, infos, free,
+                                                      current, chosen)
             except (ArithmeticError, ValueError) as exc:  # keep what runs; say it each round
                 log.error("policy %s failed (%s); allocations unchanged this round",
                           type(self.policy).__name__, exc)
@@ -177,15 +207,22 @@ class Coordinator:
         for j, name in enumerate(active):
             old = jobs[name].allocation
             placement = _placement(old.nodes if old else (), target[j], names)
+            if stranded[j] and placement != (old.nodes if old else ()):
+                log.warning("job %s: its new allocation (%s) leaves no slot to the workers "
+                            "holding its training state (every node they are on is full "
+                            "or has no slots): it goes on from its last checkpoint, or "
+                            "from the start", name, ", ".join(sorted(set(placement))))
             # (no key for "not placed yet", unless admission control admitted it now)
-            if placement != (old.nodes if old else ()) or (old is None
-                                                          and name in self._admitted_now):
+            if placement != (old.nodes if old else ()) or name in adopted or (
+                    old is None and name in self._admitted_now):
                 writes[name] = Allocation(_next_version(old), placement, now, self.term)
         for name, view in jobs.items():  # finished jobs give their slots back
             if view.status and view.status.finished and view.allocation and view.allocation.nodes:
                 writes[name] = Allocation(view.allocation.version + 1, (), now, self.term)
         for name in set(self._memo) - set(active):
             del self._memo[name]
+        for name in set(self._rounds) - set(active):
+            del self._rounds[name]
         for name in set(self._good) - set(jobs):
             del self._good[name]
         # (the value too: a put over our key keeps its create revision)
@@ -214,6 +251,102 @@ class Coordinator:
             if self.store.txn(guard, [Put(keys.AUTOSCALE, encode_msg(status))]):
                 self._autoscale_said = status
         return writes
+
+    def _adopt(self, active: list[str], jobs: dict[str, _JobView], present: list[NodeInfo],
+               now: float) -> tuple[set[str], set[str]]:
+        """Jobs that have no allocation but whose workers run (the store lost everything -
+        wiped, or a new store - and their launchers submitted them again): their current
+        allocation is where those workers run - a live job's last formed round, which its
+        workers put back (all of its members, also those whose node has not registered
+        again yet), else the workers the node agents report - written this round as
+        version 1 and kept there for it. Otherwise the policy would take their own
+        workers for slots that others hold and start them elsewhere, from scratch.
+        Returns (adopted, deferred: live jobs whose round is not back yet - left alone
+        this round, their workers train on)."""
+        adopted: set[str] = set()
+        deferred: set[str] = set()
+        records = {**{n: info for n, info in self._known.items()},
+                   **{n.name: n for n in present}}
+        for name in active:
+            view = jobs[name]
+            if view.allocation is not None:
+                continue
+            reported = tuple(n for n, info in sorted(records.items())
+                             for _ in range(info.workers.get(name, 0)))
+            placed = reported
+            if view.spec is not None and view.spec.elasticity == "live" and reported:
+                placed = tuple(node for _, node in self._members(name, view))
+                if not placed:
+                    deferred.add(name)
+                    continue
+            if placed:
+                view.allocation = Allocation(0, placed, now, self.term)
+                adopted.add(name)
+                log.warning("job %s: its allocation is gone but its %d worker(s) run (on %s): "
+                            "adopting them where they are", name, len(placed),
+                            ", ".join(sorted(set(placed))))
+        return adopted, deferred
+
+    def _keep_holders(self, active: list[str], jobs: dict[str, _JobView],
+                      index: dict[str, int], infos: list[JobInfo], free: list[PolicyNode],
+                      current: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``target`` repaired so that every live job keeps a replica where its training
+        state is (``policy.holders.keep_holders``: the holders are the members of its
+        latest formed round whose worker key is alive, per node), and the jobs it could
+        not repair. Jobs without rounds (restart-elastic, fixed, not started) have no
+        holders: nothing changes for them; nor for a non-preemptible running job. Only
+        the jobs the policy moves need their holders: a job left where it is keeps what
+        it has, and the repair swaps only replicas that are new on a node."""
+        target = np.asarray(target)
+        if target.shape != current.shape:
+            raise ValueError(f"the policy's allocation has shape {target.shape}, expected "
+                             f"{current.shape}")
+        holders = np.zeros_like(current)
+        for j in np.flatnonzero(np.any(target != current, axis=1)):
+            view = jobs[active[j]]
+            for worker, node in self._members(active[j], view):
+                if worker in view.workers and node in index:
+                    holders[j, index[node]] += 1
+        none = np.zeros(len(active), dtype=bool)
+        if not holders.any():
+            return target, none
+        repair = keep_holders(target, current, holders, np.array([n.slots for n in free]),
+                              ~pinned_jobs(infos, current))
+        moved = np.flatnonzero(repair.moved)
+        if moved.size:  # (one line a round: a big cluster may repair many)
+            names = list(index)
+            said = [f"{active[j]} ({', '.join(names[n] for n in np.flatnonzero(holders[j]))})"
+                    for j in moved[:5]]
+            log.info("kept a replica where the training state is, instead of one with none, "
+                     "for job%s %s%s", "s" if moved.size > 1 else "", "; ".join(said),
+                     f" and {moved.size - 5} more" if moved.size > 5 else "")
+        return repair.target, repair.stranded
+
+    def _members(self, name: str, view: _JobView) -> tuple[tuple[str, str], ...]:
+        """(worker, node) of each member of the job's latest formed round, distinct; ()
+        when it has none or its state is malformed (logged once: then nothing is
+        repaired for it, as before). Memoised per job and state revision."""
+        kv = view.round_state
+        if kv is None:
+            return ()
+        cached = self._rounds.get(name)
+        if cached is not None and cached[0] == kv.value:
+            return cached[1]
+        state = self.values.read(RoundState, kv.key, kv.value, kv.mod_revision)
+        members: dict[str, str] = {}
+        if state is not None and len(state.nodes) == len(state.members):
+            members = dict(zip(state.members, state.nodes, strict=True))
+        elif state is not None:  # a state without nodes: each worker's own record says
+            for worker in state.members:
+                rec = view.workers.get(worker)
+                info = (self.values.read(WorkerInfo, rec.key, rec.value, rec.mod_revision)
+                        if rec is not None else None)
+                if info is not None:
+                    members[worker] = info.node
+        pairs = tuple(members.items())
+        if state is None or len(pairs) == len(set(state.members)):
+            self._rounds[name] = (kv.value, pairs)  # (not while a record is missing)
+        return pairs
 
     def _resume_autoscaler(self, now: float) -> None:
         """A new leader goes on from the last autoscale decision in the store (nodes
@@ -355,8 +488,20 @@ class Coordinator:
                  "generation": JobGeneration}
         for kv in self.store.get_prefix(keys.JOBS):
             split = keys.split_job_key(kv.key)
+            if split is not None and split[1].startswith(_RDZV):  # (most keys: inline)
+                leaf = split[1]
+                if leaf.startswith(_WORKERS):
+                    jobs.setdefault(split[0], _JobView()).workers[leaf[len(_WORKERS):]] = kv
+                elif leaf.endswith(_STATE):
+                    _note_state(jobs.setdefault(split[0], _JobView()), leaf, kv)
+                continue
+            if split is not None and split[1].startswith(keys.FINISHED):
+                jobs.setdefault(split[0], _JobView()).finished[kv.key] = kv.value
+                continue
             if split is None or split[1] not in kinds:
                 continue
+            if split[1] == "generation":  # (completion.py reads it as text)
+                jobs.setdefault(split[0], _JobView()).finished[kv.key] = kv.value
             value = self.values.read(kinds[split[1]], kv.key, kv.value, kv.mod_revision)
             if value is None and split[1] == "allocation":
                 # a malformed allocation: the last good one we know, else "placed nowhere
@@ -483,6 +628,29 @@ class Coordinator:
             self._modelled.discard(job)
             self._wanted.pop(job, None)
         return part in ("spec", "status")
+
+
+def _as_scheduled(view: _JobView, adopted: bool) -> JobSpec:
+    """The job's spec as the policy must take it: kept where it is (not preemptible) in
+    the round that adopts it, and while its script has completed on some worker but not
+    on all (``completion.py``): a change then would restart or shrink the group that is
+    finishing."""
+    assert view.spec is not None
+    if adopted or (view.finished
+                   and completion(view.spec, view.allocation, view.finished).begun):
+        return dataclasses.replace(view.spec, preemptible=False)
+    return view.spec
+
+
+def _note_state(view: _JobView, leaf: str, kv: KeyValue) -> None:
+    """Keep ``kv`` if it is the state of the job's highest formed round so far (``leaf``:
+    its key below ``jobs/<job>/``, ``rdzv/rounds/<r:08d>/state``); decoded only when
+    used. (The last formed round: rank 0 writes a round's state when it forms, and the
+    pointer ``rdzv/round`` is never behind it.)"""
+    number = leaf[len(_ROUNDS):-len(_STATE)] if leaf.startswith(_ROUNDS) else ""
+    if number.isascii() and number.isdigit() and len(number) < 19 and \
+            int(number) > view.state_round:
+        view.state_round, view.round_state = int(number), kv
 
 
 def _held(placed: dict[str, Allocation | None]) -> dict[str, dict[str, int]]:

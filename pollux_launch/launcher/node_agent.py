@@ -48,6 +48,7 @@ from typing import IO, TYPE_CHECKING
 
 from .. import env as envvars
 from .. import keys
+from ..completion import completion, generation
 from ..messages import (
     Allocation,
     JobGpus,
@@ -60,7 +61,6 @@ from ..messages import (
 )
 from ..rendezvous.store import Compare, Put, Store, StoreError, StoreUnavailable
 from .admission import Admission
-from .completion import completion, generation
 from .devices import DevicePool, default_lock_dir
 from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this module)
     ENV_ADDR,
@@ -75,6 +75,7 @@ from .drivers import (  # noqa: F401  (ENV_*: re-exported for callers of this mo
     Side,
     driver_classes,
 )
+from .epoch import Epoch
 from .logs import serve_logs
 
 if TYPE_CHECKING:
@@ -156,6 +157,7 @@ class NodeAgent:
         self._workers: dict[str, int] = {}  # the live workers per job, as last published
         self._newest: dict[str, Allocation] = {}  # per job: the newest allocation seen
         self._logged: set[tuple[str, str, int, int]] = set()  # (what, job, *order), said once
+        self._epoch = Epoch()
 
     @property
     def registers(self) -> bool:
@@ -169,6 +171,19 @@ class NodeAgent:
         self._keeper = self.store.keep_alive(self._lease, self.lease_ttl / 3)
         self._gpus_said = {}  # (put under the old lease: gone with it)
         self._put_node()
+        if self._epoch.changed(self.store):
+            self._store_lost()
+
+    def _store_lost(self) -> None:
+        """The store lost everything (``epoch.py``): what was fenced by its numbers starts
+        afresh; the workers here run on (their launchers submit their jobs again, the
+        coordinator adopts them where they run, the workers put their rounds back)."""
+        running = sorted({name for (name, _), d in self.drivers.items() if d.alive()})
+        log.warning("node %s: the store lost its state (wiped, or a new store); registered "
+                    "again, and the %d job(s) running here (%s) go on", self.node.name,
+                    len(running), ", ".join(running) or "none")
+        self._newest.clear()
+        self._logged.clear()
 
     def _put_node(self) -> None:
         with self._node_lock:  # (never an older size over set_slots' newer one)

@@ -187,7 +187,9 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
             thread = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
             thread.start()
             threads.append(thread)
-        return _follow(store, spec.name, opts, stdout, follower.drain if follower else None)
+        resubmit = None if local else (lambda: _resubmit(store, spec, secret))
+        return _follow(store, spec.name, opts, stdout, follower.drain if follower else None,
+                       resubmit)
     finally:
         stop.set()
         for thread in threads:
@@ -259,10 +261,25 @@ def _submit(store: Store, spec: JobSpec, secret: bytes | None, lease: int) -> No
         raise OptionsError(f"job {spec.name!r} was just submitted by someone else")
 
 
+def _resubmit(store: Store, spec: JobSpec, secret: bytes | None) -> bool:
+    """Put the job back where the store lost it (wiped, or a new, empty store): the same
+    signed spec - the same submission, so no node agent takes it for a new job - and its
+    state, running (its workers run on). False if someone put something there first."""
+    spec_key, status_key = keys.job(spec.name, "spec"), keys.job(spec.name, "status")
+    text = encode(spec)
+    writes = [Put(spec_key, text), Put(status_key, encode(JobStatus(
+        "running", None, "submitted again: the store had lost the job", time.time())))]
+    if secret is not None:
+        writes.append(Put(keys.job(spec.name, "signature"), f'"{security.sign(text, secret)}"'))
+    return store.txn([Compare(spec_key, "create_revision", "==", 0),
+                      Compare(status_key, "create_revision", "==", 0)], writes)
+
+
 def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
-            drain: Callable[[], None] | None = None) -> int:
+            drain: Callable[[], None] | None = None,
+            resubmit: Callable[[], bool] | None = None) -> int:
     """Print status changes until the job ends (then ``drain``: its last output lines);
-    Ctrl-C / SIGTERM cancel it."""
+    Ctrl-C / SIGTERM cancel it. ``resubmit`` puts the job back if the store lost it."""
     interrupted: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -285,6 +302,12 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
                 alloc = (_read(store, keys.job(job, "allocation"), Allocation, values)
                          if opts.elasticity != "live" else None)
                 rev = store.revision()
+                if status is None and resubmit is not None \
+                        and store.get(keys.job(job, "spec")) is None and resubmit():
+                    print(f"[pollux] {job}: the store had lost the job (wiped, or a new "
+                          "store); submitted it again - its workers carry on",
+                          file=stdout, flush=True)
+                    continue
             except StoreError as exc:  # e.g. etcd restarting: keep following the job
                 if not unreachable:
                     print(f"[pollux] {job}: store unreachable ({exc}); still following",

@@ -246,3 +246,21 @@ def test_etcd_stall_while_a_newcomer_starts(cluster):
                  "the newcomer training with the survivor")
     _assert_finished_whole(cluster, "newcomer", proc)
     assert len({s["pid"] for s in cluster.steps()}) == 2  # nobody replaced, nothing restarted
+
+
+def test_etcd_wiped_the_job_goes_on(cluster):
+    """etcd's data is wiped and an empty etcd takes its place: the launcher submits its
+    job again (it holds the signed spec), the agents register again and keep their
+    workers, the coordinator adopts the job where it runs, and the workers put their
+    round back: training goes on within seconds, from where it was, and says so."""
+    proc = _start(cluster, "wiped")
+    cluster.etcd.wipe()
+    t_back = time.time()
+    cluster.wait(lambda: sum(s["world"] == 2 and s["t"] > t_back + 1 for s in cluster.steps())
+                 >= 10, 60, "training on both nodes again")
+    resumed = min(s["t"] for s in cluster.steps() if s["t"] > t_back)
+    assert resumed - t_back < 20, resumed - t_back  # seconds, not a 300 s time-out
+    assert "submitted it again" in cluster.log("wiped")
+    _assert_finished_whole(cluster, "wiped", proc)
+    assert len({s["pid"] for s in cluster.steps()}) == 2  # the same processes throughout
+    assert "the store lost its state" in cluster.log("agent-n1")

@@ -14,7 +14,7 @@ from pathlib import Path
 from waiting import wait_for  # tests/waiting.py
 
 from pollux_launch import keys
-from pollux_launch.launcher.completion import Completion, completion, generation
+from pollux_launch.completion import Completion, completion, generation
 from pollux_launch.messages import (
     Allocation,
     JobGeneration,

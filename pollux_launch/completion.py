@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .. import keys
-from ..messages import (
+from . import keys
+from .messages import (
     Allocation,
     JobGeneration,
     JobSpec,
@@ -33,7 +33,7 @@ from ..messages import (
     WorkerFinished,
     decode,
 )
-from ..rendezvous.rounds import JobKeys, last_formed
+from .rendezvous.rounds import JobKeys, last_formed
 
 
 @dataclass(frozen=True)
