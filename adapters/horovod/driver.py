@@ -146,7 +146,9 @@ class HorovodDriver(JobDriver):
             return 0  # started once; from then on Horovod follows the allocation
         self.started = True
         env = self.ctx.job_env(self.spec)
-        if self.ctx.local:  # one machine: horovodrun itself, hosts from a discovery script
+        # one machine: horovodrun itself, hosts from a discovery script - unless the machine
+        # has GPUs: then its node agent starts each worker (as in a cluster), holding one
+        if self.ctx.local and self.ctx.devices is None:
             self.folder = Path(tempfile.mkdtemp(prefix=f"pollux-hvd-{self.spec.name}-"))
             hosts = self.folder / "hosts"
             script = write_discovery_script(self.folder / "discover.sh", hosts)

@@ -37,7 +37,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 from pollux_launch import keys
 from pollux_launch.launcher.drivers import (
-    DevicesBusy,
     DriverContext,
     JobDriver,
     ProcessExit,
@@ -62,6 +61,9 @@ log = logging.getLogger(__name__)
 # How long a stopped worker's node agent gets to report its exit before the worker is
 # taken for lost (an agent that is up answers within a poll or two).
 STOP_WAIT = 30.0
+# How long a task waits for the tasks of lower local ranks on its node (Horovod starts a
+# host's workers together) before it starts anyway, its GPU then after the job's others.
+ORDER_WAIT = 5.0
 
 
 def task_variables(env: Mapping[str, str]) -> dict[str, str]:
@@ -171,6 +173,7 @@ class HorovodTaskDriver(JobDriver):
                                  output_dir=ctx.output_dir, stdout=ctx.stdout,
                                  log_file=ctx.log_file(spec), devices=ctx.devices)
         self.values = ValueLog(log)
+        self._seen: dict[str, float] = {}  # task -> when first seen, until started
         _check_hostname(ctx.node.address)
 
     @classmethod
@@ -194,12 +197,9 @@ class HorovodTaskDriver(JobDriver):
         running = {w.worker_id for w in self.group.alive()}
         for task_id in running - set(tasks):  # its launcher stopped it
             self.group.stop(grace=5.0, only=[task_id])
-        deferred = 0
+        new = []
         for task_id, task in tasks.items():
             if task_id in self.group.workers or self._reported(task_id):
-                continue
-            if free_slots <= 0:  # Horovod's driver waits for it: start it once one is free
-                deferred += 1
                 continue
             if tuple(task.command) != tuple(self.spec.command):
                 log.error("job %s: task %s asks for another command than the job's; refused",
@@ -210,15 +210,30 @@ class HorovodTaskDriver(JobDriver):
             env = {**node_env, **task_variables(task.env)}
             if "HOROVOD_GLOO_IFACE" in node_env:  # this node's interface, not the launcher's
                 env["HOROVOD_GLOO_IFACE"] = node_env["HOROVOD_GLOO_IFACE"]
-            local_rank = env.get("HOROVOD_LOCAL_RANK", "")
-            try:  # (its GPU at Horovod's local rank: hvd.local_rank() indexes the visible)
+            local = env.get("HOROVOD_LOCAL_RANK", "")
+            new.append((int(local) if local.isdigit() else None, task_id, env))
+        # Horovod's driver waits for those it cannot start now: they start once a slot (and
+        # a GPU: claimed for all first, so that workers started together see each other's)
+        # is free, in Horovod's local-rank order - on a node with GPUs a worker waits
+        # (briefly) for those of lower local ranks, so that its GPU lands at its local
+        # rank in what it sees (hvd.local_rank() indexes it)
+        new.sort(key=lambda t: (t[0] is None, t[0] or 0, t[1]))
+        now = time.monotonic()
+        self._seen = {t: self._seen.get(t, now) for _, t, _ in new}
+        ready = len(new)
+        if self.ctx.devices is not None:
+            held = len(self.group.workers)
+            ready = next((i for i, (local, task_id, _) in enumerate(new)
+                          if local is not None and local > held + i
+                          and now - self._seen[task_id] < ORDER_WAIT), len(new))
+        start = self.group.reserve(min(ready, max(0, free_slots)))
+        try:
+            for local_rank, task_id, env in new[:start]:
                 self.group.start(task_id, env, label=env.get("HOROVOD_RANK"),
-                                 local_rank=int(local_rank) if local_rank.isdigit() else None)
-            except DevicesBusy:  # another process of this machine holds the GPUs: later
-                deferred += 1
-                continue
-            free_slots -= 1
-        return deferred
+                                 local_rank=local_rank)
+        finally:
+            self.group.unreserve()
+        return len(new) - start
 
     def slots_held(self) -> int:
         return len(self.group.workers)  # (until reaped, an ended worker's slot is not free)
