@@ -37,7 +37,10 @@ Progress lines first; the LAST line is one JSON object::
      "replica_search": {"replica_hours_ratio_vs_static", "finish_time_ratio"},
      "straggler": {"detected", "detect_s"}, "monitor_overhead_pct"}
 
-About 4-5 minutes on an idle 2-core machine (``--quick``: fewer repeats, shorter jobs).
+About 4-5 minutes on an idle 2-core machine (``--quick``: fewer repeats, shorter jobs;
+``--smoke``: one run of each, a 0.5 target, 10-epoch searches, a 120-step straggler
+job, 2 overhead pairs with the policy only). A case that fails is named under
+``"failed"``.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import Report, run_benchmark  # beside this script
 
 from pollux_launch.elastic import AdaptationPolicy, PolicyContext
 
@@ -94,15 +99,20 @@ def pollux_run(tmp: Path, name: str, flags: list[str], script: str, args: list[s
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
-        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                         f"{proc.stderr[-3000:]}")
+        print(f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}", file=sys.stderr)
+        raise RuntimeError(f"{name} failed ({proc.returncode}): {last_line(proc.stderr)}")
     return read_jsonl(out)
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "no output"
 
 
 def result_of(records: list[dict[str, Any]], name: str) -> dict[str, Any]:
     found = [r for r in records if r.get("event") == "result"]
     if not found:
-        raise SystemExit(f"{name}: no result record")
+        raise RuntimeError(f"{name}: no result record")
     return found[-1]
 
 
@@ -137,7 +147,7 @@ def replica_seconds(records: list[dict[str, Any]]) -> tuple[float, float, list[i
     """(wall seconds first step to last, replica-seconds held, world sizes in order)."""
     steps = sorted((r for r in records if r.get("event") == "step"), key=lambda r: r["t"])
     if len(steps) < 2:
-        raise SystemExit("replica_search: fewer than 2 steps recorded")
+        raise RuntimeError("replica_search: fewer than 2 steps recorded")
     held = sum((b["t"] - a["t"]) * b["charged"] for a, b in itertools.pairwise(steps))
     worlds = [s["world"] for s in steps]
     return steps[-1]["t"] - steps[0]["t"], held, [w for i, w in enumerate(worlds)
@@ -166,13 +176,13 @@ def bench_replica_search(tmp: Path, epochs: int, threshold: float) -> dict[str, 
 
 
 # -- c: straggler detection ----------------------------------------------------------------
-def bench_straggler(tmp: Path) -> dict[str, Any]:
+def bench_straggler(tmp: Path, steps: int, slow_from: int) -> dict[str, Any]:
     records = pollux_run(tmp, "straggler", ["-np", "2"], "examples/policies/straggler.py",
-                         ["--slow-rank", "1", "--slow-from", "150", "--slow-delay", "0.02",
-                          "--steps", "1000", "--stop-after", "20"])
+                         ["--slow-rank", "1", "--slow-from", str(slow_from), "--slow-delay",
+                          "0.02", "--steps", str(steps), "--stop-after", "20"])
     rec = result_of(records, "straggler")
     ok = bool(rec["detected"]) and rec["false_positives"] == 0
-    say("straggler: injected on rank 1 at step 150; "
+    say(f"straggler: injected on rank 1 at step {slow_from}; "
         + (f"detected rank {rec['rank']} at step {rec['detected_ranks'][str(rec['rank'])]}, "
            f"{rec['detect_s']:.2f} s later" if rec["detected"] else "not detected")
         + f"; false positives {rec['false_positives']}")
@@ -185,40 +195,57 @@ def overhead(extra: list[str], pairs: int) -> dict[str, Any]:
            str(pairs), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    lines = proc.stdout.strip().splitlines()
+    out = json.loads(lines[-1]) if lines else {}
     if proc.returncode != 0:
-        raise SystemExit(f"agent_overhead failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        print(proc.stderr[-2000:], file=sys.stderr)
+        raise RuntimeError(f"agent_overhead failed ({proc.returncode}): "
+                           + json.dumps(out.get("failed") or last_line(proc.stderr)))
+    return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each gns_batch mode")
-    ap.add_argument("--target", type=float, default=0.98, help="gns_batch validation accuracy")
-    ap.add_argument("--epochs", type=int, default=300, help="replica_search work (epochs)")
-    ap.add_argument("--threshold", type=float, default=0.5,
-                    help="replica_search: least marginal gain per added replica")
-    ap.add_argument("--pairs", type=int, default=60, help="agent_overhead pairs")
-    ap.add_argument("--quick", action="store_true", help="1 repeat, 100 epochs, 20 pairs")
-    args = ap.parse_args()
+def bench(args: argparse.Namespace, report: Report) -> None:
     if args.quick:
         args.repeats, args.epochs, args.pairs = 1, 100, 20
     t0 = time.monotonic()
     say(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory(prefix="pollux-ap-") as tmp_dir:
         tmp = Path(tmp_dir)
-        gns = bench_gns(tmp, args.repeats, args.target)
-        search = bench_replica_search(tmp, args.epochs, args.threshold)
-        straggler = bench_straggler(tmp)
-    hooks = overhead([], args.pairs)
-    say(f"agent_overhead: measurement hooks alone {hooks['overhead_pct']:.2f} % "
-        f"(CPU {hooks['overhead_pct_cpu']:.2f} %)")
-    monitored = overhead(["--policy", "adaptation_policies:SNRMonitor"], args.pairs)
-    say(f"agent_overhead: hooks + controller + SNRMonitor every step "
-        f"{monitored['overhead_pct']:.2f} % (CPU {monitored['overhead_pct_cpu']:.2f} %)")
+        with report.case("gns_batch"):
+            report["gns_batch"] = bench_gns(tmp, args.repeats, args.target)
+        with report.case("replica_search"):
+            report["replica_search"] = bench_replica_search(tmp, args.epochs, args.threshold)
+        with report.case("straggler"):
+            report["straggler"] = bench_straggler(tmp, args.straggler_steps, args.slow_from)
+    smoke = ["--smoke"] if args.smoke else []  # (agent_overhead's short blocks)
+    with report.case("monitor_overhead"):
+        if not args.smoke:  # (the hooks alone are agent_overhead.py's own smoke run)
+            hooks = overhead([], args.pairs)
+            say(f"agent_overhead: measurement hooks alone {hooks['overhead_pct']:.2f} % "
+                f"(CPU {hooks['overhead_pct_cpu']:.2f} %)")
+        monitored = overhead([*smoke, "--policy", "adaptation_policies:SNRMonitor"], args.pairs)
+        say(f"agent_overhead: hooks + controller + SNRMonitor every step "
+            f"{monitored['overhead_pct']:.2f} % (CPU {monitored['overhead_pct_cpu']:.2f} %)")
+        report["monitor_overhead_pct"] = monitored["overhead_pct"]
     say(f"done in {time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.1f}")
-    print(json.dumps({"gns_batch": gns, "replica_search": search, "straggler": straggler,
-                      "monitor_overhead_pct": monitored["overhead_pct"]}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each gns_batch mode")
+    ap.add_argument("--target", type=float, default=0.98, help="gns_batch validation accuracy")
+    ap.add_argument("--epochs", type=int, default=300, help="replica_search work (epochs)")
+    ap.add_argument("--threshold", type=float, default=0.5,
+                    help="replica_search: least marginal gain per added replica")
+    ap.add_argument("--straggler-steps", type=int, default=1000,
+                    help="straggler: steps of the job at most")
+    ap.add_argument("--slow-from", type=int, default=150,
+                    help="straggler: the step from which rank 1 is slowed down")
+    ap.add_argument("--pairs", type=int, default=60, help="agent_overhead pairs")
+    ap.add_argument("--quick", action="store_true", help="1 repeat, 100 epochs, 20 pairs")
+    return run_benchmark(ap, bench, smoke={"repeats": 1, "target": 0.5, "epochs": 10,
+                                           "straggler_steps": 120, "slow_from": 30, "pairs": 2})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,7 +21,8 @@ workers' gloo group) whose ``after_step`` runs after every optimiser step - the 
 
 LAST line: {"overhead_pct": <100 * (t_with / t_without - 1), median of pairs>, with t the
 wall time of a block; "overhead_pct_cpu": the same with t the CPU time both workers spent,
-which a busy shared machine disturbs far less than wall time}.
+which a busy shared machine disturbs far less than wall time}. ``--smoke``: 2 pairs of
+2-step blocks after 4 warm-up steps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import importlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from harness import Report, UsageError, run_benchmark  # beside this script
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -293,21 +296,9 @@ def _worker_full(rank: int, args: argparse.Namespace, init_file: str, out_file: 
     dist.destroy_process_group()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", type=int, default=60)
-    ap.add_argument("--steps", type=int, default=8, help="steps per block")
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--local-bsz", type=int, default=64)
-    ap.add_argument("--attach", default=None, help="module:function to attach (default: agent)")
-    ap.add_argument("--full", action="store_true",
-                    help="compare plain DDP with the whole native adapter (ElasticTrainer)")
-    ap.add_argument("--policy", default=None, metavar="MODULE:CLASS",
-                    help="the with side also runs a controller with this adaptation policy "
-                         "after every step")
-    args = ap.parse_args()
+def bench(args: argparse.Namespace, report: Report) -> None:
     if args.policy and args.full:
-        ap.error("--policy measures the hooks' side; --full measures ElasticTrainer")
+        raise UsageError("--policy measures the hooks' side; --full measures ElasticTrainer")
     n_params = sum(p.numel() for p in make_model().parameters())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "pairs.json")
@@ -337,9 +328,24 @@ def main() -> None:
     )
     measured = ("ElasticTrainer" if args.full else "measurement hooks" if not args.policy
                 else f"measurement hooks + controller with policy {args.policy}")
-    print(json.dumps({"overhead_pct": round(wall, 3), "overhead_pct_cpu": round(cpu, 3),
-                      "measured": measured}))
+    report.update({"overhead_pct": round(wall, 3), "overhead_pct_cpu": round(cpu, 3),
+                   "measured": measured})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=8, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--local-bsz", type=int, default=64)
+    ap.add_argument("--attach", default=None, help="module:function to attach (default: agent)")
+    ap.add_argument("--full", action="store_true",
+                    help="compare plain DDP with the whole native adapter (ElasticTrainer)")
+    ap.add_argument("--policy", default=None, metavar="MODULE:CLASS",
+                    help="the with side also runs a controller with this adaptation policy "
+                         "after every step")
+    return run_benchmark(ap, bench, smoke={"pairs": 2, "steps": 2, "warmup": 4})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

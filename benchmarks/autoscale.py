@@ -36,8 +36,10 @@ Rescale models: the first of ``--rescale-models`` gives the top-level figures (d
 checkpoint-restart: the paper's 30 s per change and 60 s rounds, as its autoscaling
 experiment ran); the others are reported under their names (``live``: the calibrated live
 rescale, 15 s rounds). Node boot time default 90 s (a node joins at the first round
-after it). About 6 minutes on 2 cores with the defaults. Progress goes to stderr, tables
-to stdout, and the LAST line is one JSON object::
+after it). About 6 minutes on 2 cores with the defaults (``--smoke``: one rescale model,
+one extra band and baseline batch, the first 5 jobs of workload 1, a decision at 64 GPUs).
+Progress goes to stderr, tables to stdout, and the LAST line is one JSON object (with
+``"failed"`` naming the parts that failed, if any)::
 
     {"imagenet": {"cost_ratio_vs_throughput_autoscaler": c,
                   "jct_ratio_vs_throughput_autoscaler": t, "vs_same_agent_throughput_rule":
@@ -51,13 +53,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from harness import Report, UsageError, run_benchmark  # beside this script
 
 from pollux_launch.arguments import (
     OptionsError,
@@ -67,10 +69,16 @@ from pollux_launch.arguments import (
 )
 from pollux_launch.policy.autoscale import AutoscaleConfig
 from pollux_launch.policy.rescale_cost import RESCALE_MODELS
-from pollux_launch.sim.run import config_for, run_specs, run_workload
+from pollux_launch.sim.run import config_for, run_specs
 from pollux_launch.sim.simulator import SimResult
-from pollux_launch.sim.traces import TRACES_DIR, ModelTrace, load_model, parse_numbers
-from pollux_launch.sim.workload import JobSpec
+from pollux_launch.sim.traces import (
+    TRACES_DIR,
+    ModelTrace,
+    available_models,
+    load_model,
+    parse_numbers,
+)
+from pollux_launch.sim.workload import JobSpec, load_workload
 
 JCT_BUDGET = 1.06  # the paper: 25 % cheaper at only 6 % longer
 COST_GOAL = 0.75
@@ -109,9 +117,10 @@ def _ratios(res: SimResult, base: SimResult) -> dict[str, float]:
 
 
 def imagenet(model: str, scale: AutoscaleConfig, gpn: int, boot: float, per_gpu: int,
-             out: Path | None) -> dict:
+             out: Path | None, sweeps: int | None = None) -> dict:
     """Part (a): the goodput rule vs Or et al.'s autoscaler (and the same-agent
-    throughput rule), plus a fixed cluster, other bands and other baseline batches."""
+    throughput rule), plus a fixed cluster, other bands and other baseline batches (the
+    first ``sweeps`` of each; None: all)."""
     start = max(scale.min_nodes, 1)
     thr = dataclasses.replace(scale, rule="throughput")
     batch = per_gpu * scale.max_nodes * gpn
@@ -128,14 +137,14 @@ def imagenet(model: str, scale: AutoscaleConfig, gpn: int, boot: float, per_gpu:
     _log(f"[{model}] imagenet fixed {scale.max_nodes} nodes: JCT {fixed.jcts['imagenet-0']:.0f}"
          f" s, {fixed.node_hours:.1f} node-h")
     sweep = {}
-    for low, high in SWEEP_BANDS:
+    for low, high in SWEEP_BANDS[:sweeps]:
         cfg = dataclasses.replace(scale, rule="goodput", low=low, high=high)
         res = _imagenet_run(model, cfg, start, gpn, boot)
         key = f"L={low:.3g},U={high:.3g}"
         sweep[key] = {"vs_or_et_al": _ratios(res, o), "vs_same_agent": _ratios(res, t)}
         _log(f"[{model}] imagenet goodput rule {key}: {sweep[key]}; nodes {_sizes(res)}")
     batches = {}
-    for each in BASELINE_PER_GPU:
+    for each in BASELINE_PER_GPU[:sweeps]:
         res = _imagenet_run(model, thr, start, gpn, boot, each * scale.max_nodes * gpn)
         batches[f"{each}_per_gpu"] = _ratios(g, res)
         _log(f"[{model}] Or et al. at {each}/GPU x {scale.max_nodes * gpn} GPUs: goodput rule "
@@ -217,10 +226,11 @@ def oracle_bound(trace: ModelTrace, gpn: int, max_nodes: int, budget: float = JC
 
 
 def _workload_task(task) -> tuple:
-    k, model, scale, nodes, gpn, boot = task
+    k, model, scale, nodes, gpn, boot, jobs = task
     t0 = time.perf_counter()
     cfg = config_for(model, nodes=nodes, gpus_per_node=gpn, autoscale=scale, boot_time=boot)
-    res = run_workload(TRACES_DIR / "workloads" / f"workload-{k}.csv", None, cfg)
+    path = TRACES_DIR / "workloads" / f"workload-{k}.csv"
+    res = run_specs(load_workload(path, available_models())[:jobs], None, cfg)
     s = res.summary()
     held = res.cluster["held"]
     moves = int(np.count_nonzero(np.diff(held))) if held else 0
@@ -229,10 +239,11 @@ def _workload_task(task) -> tuple:
 
 
 def workloads(models: list[str], ks: list[int], scale: AutoscaleConfig, gpn: int,
-              boot: float, procs: int) -> dict[str, dict]:
-    """Part (b): every workload x rescale model, autoscaled vs fixed at MAX nodes."""
+              boot: float, procs: int, jobs: int | None = None) -> dict[str, dict]:
+    """Part (b): every workload x rescale model, autoscaled vs fixed at MAX nodes (the
+    first ``jobs`` jobs of each workload; None: all)."""
     start = max(scale.min_nodes, 1)
-    tasks = [(k, m, a, start if a else scale.max_nodes, gpn, boot)
+    tasks = [(k, m, a, start if a else scale.max_nodes, gpn, boot, jobs)
              for m in models for k in ks for a in (scale, None)]
     got: dict[str, dict[int, dict[bool, tuple]]] = {m: {k: {} for k in ks} for m in models}
     with multiprocessing.get_context("spawn").Pool(max(1, min(procs, 2))) as pool:
@@ -298,6 +309,108 @@ def decision_cost(gpus: int, seed: int = 0) -> dict:
             + (target not in (len(nodes), cfg.max_nodes, max(cfg.min_nodes, 1)))}
 
 
+def _print_parts(parts: dict[str, dict], oracle: dict | None) -> None:
+    print()
+    for m, part in parts.items():
+        if "imagenet" in part:
+            im = part["imagenet"]
+            cost, jct = (im["cost_ratio_vs_throughput_autoscaler"],
+                         im["jct_ratio_vs_throughput_autoscaler"])
+            print(f"[{m}] ImageNet: goodput rule costs {cost:.3f} x the node-hours of "
+                  f"{im['baseline']} at {jct:.3f} x its completion time; vs the same-agent "
+                  f"throughput rule {im['vs_same_agent_throughput_rule']}; vs Or et al. at "
+                  f"other batches {im['vs_other_baseline_batches']} (node-h "
+                  f"{im['node_hours']}, JCT {im['jct_s']})")
+        if "workloads" in part:
+            w = part["workloads"]
+            print(f"[{m}] workloads: autoscaled {w['node_hours_ratio_vs_fixed']:.3f} x the fixed "
+                  f"cluster's node-hours, avg JCT {w['avg_jct_ratio_vs_fixed']:.3f} x "
+                  f"(worst workload {w['max_workload_jct_ratio']:.3f} x)")
+            for name, v in w["per_workload"].items():
+                print(f"    {name}: node-h {v['node_hours']['autoscaled']:.1f} vs "
+                      f"{v['node_hours']['fixed']:.1f}, avg JCT {v['avg_jct']['autoscaled']:.0f}"
+                      f" vs {v['avg_jct']['fixed']:.0f} s, {v['size_changes']} size changes")
+    print(f"oracle bound: {oracle}")
+
+
+def _goals(first: dict) -> dict[str, bool]:
+    goals = {}
+    if "imagenet" in first:
+        im = first["imagenet"]
+        goals["imagenet_cost_and_time"] = bool(
+            im["cost_ratio_vs_throughput_autoscaler"] <= COST_GOAL
+            and im["jct_ratio_vs_throughput_autoscaler"] <= JCT_BUDGET)
+    if "workloads" in first:
+        w = first["workloads"]
+        goals["workloads_cheaper_within_10pct_jct"] = bool(
+            w["node_hours_ratio_vs_fixed"] < 1.0 and w["avg_jct_ratio_vs_fixed"] <= 1.10)
+    return goals
+
+
+def bench(args: argparse.Namespace, report: Report) -> None:
+    try:
+        scale = autoscale_from_args(args)
+        ks = [] if args.workloads == "none" else parse_numbers(args.workloads)
+        sizes = ([] if args.decision_gpus == "none"
+                 else [int(x) for x in args.decision_gpus.split(",") if x.strip()])
+    except (OptionsError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    top = load_model("imagenet")
+    if not (top.min_local_bsz <= args.baseline_per_gpu
+            and top.init_batch_size < args.baseline_per_gpu * scale.max_nodes
+            * args.gpus_per_node <= top.max_batch_size):
+        raise UsageError(f"--baseline-per-gpu: the total batch (B x {scale.max_nodes} x "
+                         f"{args.gpus_per_node} GPUs) must lie in ({top.init_batch_size}, "
+                         f"{top.max_batch_size}] and B >= {top.min_local_bsz}")
+    models = [m.strip() for m in args.rescale_models.split(",") if m.strip()]
+    if not models or any(m not in RESCALE_MODELS for m in models):
+        raise UsageError(f"--rescale-models: choose from {', '.join(RESCALE_MODELS)}")
+    out = Path(args.output) if args.output else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    gpn, boot = args.gpus_per_node, args.boot_time
+    t0 = time.perf_counter()
+    parts: dict[str, dict] = {m: {} for m in models}
+    oracle = None
+    with report.case("imagenet"):
+        _log(f"(a) one ImageNet job, --autoscale {scale.min_nodes}:{scale.max_nodes} x {gpn} "
+             f"GPUs, boot {boot:g} s, U={scale.high:.3g} L={scale.low:.3g}")
+        for m in models:
+            parts[m]["imagenet"] = imagenet(m, scale, gpn, boot, args.baseline_per_gpu, out,
+                                            args.sweeps)
+        oracle = oracle_bound(load_model("imagenet"), gpn, scale.max_nodes, low=scale.low)
+        _log(f"oracle (true goodput per epoch, no rescale/boot costs): {oracle}")
+        for m in models:
+            parts[m]["imagenet"]["oracle"] = oracle
+    if ks:
+        with report.case("workloads"):
+            _log(f"(b) workloads {args.workloads} at load 1.0: autoscaled "
+                 f"{scale.min_nodes}:{scale.max_nodes} ({scale.rule} rule) vs fixed "
+                 f"{scale.max_nodes} nodes")
+            for m, entry in workloads(models, ks, scale, gpn, boot, args.procs,
+                                      args.workload_jobs).items():
+                parts[m]["workloads"] = entry
+    _print_parts(parts, oracle)
+    decision = {}
+    for gpus in sizes:
+        with report.case(f"decision_{gpus}"):
+            decision[str(gpus)] = decision_cost(gpus)
+            print(f"(c) a decision at {gpus} GPUs: {decision[str(gpus)]}")
+    first = parts[models[0]]
+    report.update({
+        **first,
+        **{m: parts[m] for m in models[1:]},
+        "decision": decision,
+        "goals": _goals(first),
+        "setup": {"rescale_model": models[0], "autoscale": [scale.min_nodes, scale.max_nodes],
+                  "gpus_per_node": gpn, "boot_time": boot,
+                  "baseline_per_gpu": args.baseline_per_gpu, "utility_high": scale.high,
+                  "utility_low": scale.low, "scale_interval": scale.interval,
+                  "min_node_lifetime": scale.min_lifetime,
+                  "workloads_rule": scale.rule, "workloads": ks},
+        "total_wall_s": round(time.perf_counter() - t0, 1)})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_autoscale_arguments(ap)
@@ -310,93 +423,17 @@ def main(argv=None) -> int:
                     help=f"comma list of {', '.join(RESCALE_MODELS)}; the first gives the "
                          "top-level figures")
     ap.add_argument("--workloads", default="1-8", help="e.g. 1-8 or 1,3,5 ('none': skip)")
+    ap.add_argument("--workload-jobs", type=int, default=None, metavar="N",
+                    help="only the first N jobs of each workload (default: all)")
     ap.add_argument("--procs", type=int, default=2, help="parallel simulations (max 2)")
     ap.add_argument("--decision-gpus", default="64,256,1024",
                     help="cluster sizes for part (c), comma list ('none': skip)")
+    ap.add_argument("--sweeps", type=int, default=None, metavar="N",
+                    help="only the first N extra bands and other baseline batches (default: all)")
     ap.add_argument("--output", metavar="DIR", default=None, help="also write PNG plots")
-    args = ap.parse_args(argv)
-    try:
-        scale = autoscale_from_args(args)
-        ks = [] if args.workloads == "none" else parse_numbers(args.workloads)
-        sizes = ([] if args.decision_gpus == "none"
-                 else [int(x) for x in args.decision_gpus.split(",") if x.strip()])
-    except (OptionsError, ValueError) as exc:
-        ap.error(str(exc))
-    top = load_model("imagenet")
-    if not (top.min_local_bsz <= args.baseline_per_gpu
-            and top.init_batch_size < args.baseline_per_gpu * scale.max_nodes
-            * args.gpus_per_node <= top.max_batch_size):
-        ap.error(f"--baseline-per-gpu: the total batch (B x {scale.max_nodes} x "
-                 f"{args.gpus_per_node} GPUs) must lie in ({top.init_batch_size}, "
-                 f"{top.max_batch_size}] and B >= {top.min_local_bsz}")
-    models = [m.strip() for m in args.rescale_models.split(",") if m.strip()]
-    if not models or any(m not in RESCALE_MODELS for m in models):
-        ap.error(f"--rescale-models: choose from {', '.join(RESCALE_MODELS)}")
-    out = Path(args.output) if args.output else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    gpn, boot = args.gpus_per_node, args.boot_time
-    t0 = time.perf_counter()
-    _log(f"(a) one ImageNet job, --autoscale {scale.min_nodes}:{scale.max_nodes} x {gpn} "
-         f"GPUs, boot {boot:g} s, U={scale.high:.3g} L={scale.low:.3g}")
-    parts = {m: {"imagenet": imagenet(m, scale, gpn, boot, args.baseline_per_gpu, out)}
-             for m in models}
-    oracle = oracle_bound(load_model("imagenet"), gpn, scale.max_nodes, low=scale.low)
-    _log(f"oracle (true goodput per epoch, no rescale/boot costs): {oracle}")
-    for m in models:
-        parts[m]["imagenet"]["oracle"] = oracle
-    if ks:
-        _log(f"(b) workloads {args.workloads} at load 1.0: autoscaled "
-             f"{scale.min_nodes}:{scale.max_nodes} ({scale.rule} rule) vs fixed "
-             f"{scale.max_nodes} nodes")
-        for m, entry in workloads(models, ks, scale, gpn, boot, args.procs).items():
-            parts[m]["workloads"] = entry
-    print()
-    for m in models:
-        im = parts[m]["imagenet"]
-        cost, jct = (im["cost_ratio_vs_throughput_autoscaler"],
-                     im["jct_ratio_vs_throughput_autoscaler"])
-        print(f"[{m}] ImageNet: goodput rule costs {cost:.3f} x the node-hours of {im['baseline']}"
-              f" at {jct:.3f} x its completion time; vs the same-agent throughput rule "
-              f"{im['vs_same_agent_throughput_rule']}; vs Or et al. at other batches "
-              f"{im['vs_other_baseline_batches']} (node-h {im['node_hours']}, JCT {im['jct_s']})")
-        if "workloads" in parts[m]:
-            w = parts[m]["workloads"]
-            print(f"[{m}] workloads: autoscaled {w['node_hours_ratio_vs_fixed']:.3f} x the fixed "
-                  f"cluster's node-hours, avg JCT {w['avg_jct_ratio_vs_fixed']:.3f} x "
-                  f"(worst workload {w['max_workload_jct_ratio']:.3f} x)")
-            for name, v in w["per_workload"].items():
-                print(f"    {name}: node-h {v['node_hours']['autoscaled']:.1f} vs "
-                      f"{v['node_hours']['fixed']:.1f}, avg JCT {v['avg_jct']['autoscaled']:.0f}"
-                      f" vs {v['avg_jct']['fixed']:.0f} s, {v['size_changes']} size changes")
-    print(f"oracle bound: {oracle}")
-    decision = {}
-    for gpus in sizes:
-        decision[str(gpus)] = decision_cost(gpus)
-        print(f"(c) a decision at {gpus} GPUs: {decision[str(gpus)]}")
-    first = parts[models[0]]
-    im = first["imagenet"]
-    goals = {"imagenet_cost_and_time": bool(
-        im["cost_ratio_vs_throughput_autoscaler"] <= COST_GOAL
-        and im["jct_ratio_vs_throughput_autoscaler"] <= JCT_BUDGET)}
-    if "workloads" in first:
-        w = first["workloads"]
-        goals["workloads_cheaper_within_10pct_jct"] = bool(
-            w["node_hours_ratio_vs_fixed"] < 1.0 and w["avg_jct_ratio_vs_fixed"] <= 1.10)
-    summary = {**first,
-               **{m: parts[m] for m in models[1:]},
-               "decision": decision,
-               "goals": goals,
-               "setup": {"rescale_model": models[0], "autoscale": [scale.min_nodes,
-                                                                  scale.max_nodes],
-                         "gpus_per_node": gpn, "boot_time": boot,
-                         "baseline_per_gpu": args.baseline_per_gpu, "utility_high": scale.high,
-                         "utility_low": scale.low, "scale_interval": scale.interval,
-                         "min_node_lifetime": scale.min_lifetime,
-                         "workloads_rule": scale.rule, "workloads": ks},
-               "total_wall_s": round(time.perf_counter() - t0, 1)}
-    print(json.dumps(summary))
-    return 0
+    return run_benchmark(ap, bench, argv=argv, smoke={
+        "rescale_models": "checkpoint-restart", "sweeps": 1, "workloads": "1",
+        "workload_jobs": 5, "decision_gpus": "64"})
 
 
 if __name__ == "__main__":

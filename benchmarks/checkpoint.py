@@ -22,14 +22,15 @@
   over the frameworks.
 
 The LAST line printed is one JSON object: ``{"overhead_pct", "write_s", "resume_s",
-"epochs_lost_on_total_loss", "frameworks": {"torch", "deepspeed", "horovod"}, ...}``.
+"epochs_lost_on_total_loss", "frameworks": {"torch", "deepspeed", "horovod"}, ...}``, with
+``"failed": {"total_loss_<framework>": why, ...}`` when a case failed. ``--smoke``: short
+blocks, a one-epoch job per framework, a 1 s interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import signal
 import statistics
@@ -46,6 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from cluster import Cluster, read_jsonl  # noqa: E402  (tests/e2e/cluster.py)
 from etcd_server import EtcdServer  # noqa: E402  (tests/etcd_server.py)
+from harness import Report, run_benchmark  # noqa: E402  (beside this script)
 from torch.utils.data import TensorDataset  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "checkpoint_worker.py"
@@ -143,8 +145,14 @@ def total_loss(framework: str, folder: Path, interval: float, epochs: float) -> 
                       sys.executable, str(WORKER), "--framework", framework,
                       "--epochs", str(epochs))
         steps = lambda: [s for s in read_jsonl(folder / "logs") if s["rank"] == 0]  # noqa: E731
-        c.wait(lambda: (ckpt / "latest").exists() and len(steps()) > 2 * STEPS_PER_EPOCH / 3,
-               600, f"{framework}: training with a checkpoint written")
+
+        def trained() -> bool:
+            if job.poll() is not None:  # (not 10 minutes of waiting for a dead job)
+                raise RuntimeError(f"ended with exit code {job.returncode} before the kill: "
+                                   + last_error(folder / "job.log"))
+            return (ckpt / "latest").exists() and len(steps()) > 2 * STEPS_PER_EPOCH / 3
+
+        c.wait(trained, 600, f"{framework}: training with a checkpoint written")
         pids = {s["pid"] for s in read_jsonl(folder / "logs")}
         t_kill = kill_all(pids, interval)
         print(f"  {framework}: killed {len(pids)} workers", file=sys.stderr, flush=True)
@@ -153,7 +161,8 @@ def total_loss(framework: str, folder: Path, interval: float, epochs: float) -> 
         before = [s for s in rank0 if s["t"] < t_kill]
         after = [s for s in rank0 if s["t"] > t_kill]
         if code != 0 or not after:
-            return {"ok": False, "why": f"exit code {code}, {len(after)} steps after the kill"}
+            return {"ok": False, "why": f"exit code {code}, {len(after)} steps after the kill: "
+                                        + last_error(folder / "job.log")}
         lost = before[-1]["step"] - after[0]["step"] + 1
         gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(before)]
         step_s = statistics.median(gaps)
@@ -165,6 +174,16 @@ def total_loss(framework: str, folder: Path, interval: float, epochs: float) -> 
     finally:
         c.close()
         etcd.stop()
+
+
+def last_error(log: Path) -> str:
+    """The last line of a job's output naming an error (a worker's, before the launcher's
+    own "failed" line), else its last line."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for word in ("error", "failed"):
+        if found := [ln for ln in lines if word in ln.lower()]:
+            return found[-1][:200]
+    return (lines or ["no output"])[-1][:200]
 
 
 HOROVOD_EXAMPLE = ROOT / "examples" / "horovod_elastic.py"
@@ -224,7 +243,33 @@ def total_loss_horovod(folder: Path, interval: float) -> dict:
             "interval_epochs": round(interval * rate / DIGITS, 3)}
 
 
-def main() -> None:
+def bench(args: argparse.Namespace, report: Report) -> None:
+    print("overhead of background checkpoints (torch trainer)", file=sys.stderr, flush=True)
+    with report.case("overhead"):
+        report.update(overhead(args.block, args.blocks, args.overhead_interval))
+        print(f"  {dict(report)}", file=sys.stderr, flush=True)
+    per: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="pollux-ckpt-bench-") as tmp:
+        for fw in args.frameworks:
+            print(f"total loss of a {fw} job", file=sys.stderr, flush=True)
+            with report.case(f"total_loss_{fw}"):
+                if fw == "horovod":
+                    per[fw] = total_loss_horovod(Path(tmp) / fw, args.interval)
+                else:
+                    per[fw] = total_loss(fw, Path(tmp) / fw, args.interval, args.epochs)
+                print(f"  {fw}: {per[fw]}", file=sys.stderr, flush=True)
+                report.check(f"total_loss_{fw}", per[fw]["ok"], per[fw].get("why", ""))
+    ok = [r for r in per.values() if r["ok"]]
+    report.update({
+        "resume_s": max((r["resume_s"] for r in ok), default=None),
+        "epochs_lost_on_total_loss": max((r["epochs_lost"] for r in ok), default=None),
+        "frameworks": {fw: per.get(fw, {}).get("ok", False)
+                       for fw in ("torch", "deepspeed", "horovod")},
+        "per_framework": per, "interval_s": args.interval,
+    })
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interval", type=float, default=3.0,
                         help="checkpoint interval of the jobs (seconds)")
@@ -236,30 +281,9 @@ def main() -> None:
                         help="checkpoint interval while the overhead is measured (seconds)")
     parser.add_argument("--frameworks", nargs="+", default=["torch", "deepspeed", "horovod"],
                         choices=("torch", "deepspeed", "horovod"))
-    args = parser.parse_args()
-    print("overhead of background checkpoints (torch trainer)", file=sys.stderr, flush=True)
-    out = overhead(args.block, args.blocks, args.overhead_interval)
-    print(f"  {out}", file=sys.stderr, flush=True)
-    per: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="pollux-ckpt-bench-") as tmp:
-        for fw in args.frameworks:
-            print(f"total loss of a {fw} job", file=sys.stderr, flush=True)
-            if fw == "horovod":
-                per[fw] = total_loss_horovod(Path(tmp) / fw, args.interval)
-            else:
-                per[fw] = total_loss(fw, Path(tmp) / fw, args.interval, args.epochs)
-            print(f"  {fw}: {per[fw]}", file=sys.stderr, flush=True)
-    ok = [r for r in per.values() if r["ok"]]
-    out.update({
-        "resume_s": max((r["resume_s"] for r in ok), default=None),
-        "epochs_lost_on_total_loss": max((r["epochs_lost"] for r in ok), default=None),
-        "frameworks": {"torch": per.get("torch", {}).get("ok", False),
-                       "deepspeed": per.get("deepspeed", {}).get("ok", False),
-                       "horovod": per.get("horovod", {}).get("ok", False)},
-        "per_framework": per, "interval_s": args.interval,
-    })
-    print(json.dumps(out))
+    return run_benchmark(parser, bench, smoke={"interval": 1.0, "epochs": 1.0, "block": 0.5,
+                                               "blocks": 2, "overhead_interval": 0.2})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,6 +2,9 @@
 
     checkpoint_worker.py --framework torch|deepspeed --epochs N [--step-delay S]
 
+``--local_rank=N`` is accepted (and unused: the adapters read the environment): pollux-run
+passes it to DeepSpeed scripts, as the ``deepspeed`` launcher does.
+
 Logs one JSON line per optimiser step to ``$LOG_DIR/<worker>.jsonl`` (pid, rank, world,
 epoch, step, t) and ends after N statistical epochs. The job's checkpoint directory comes
 from ``pollux-run --checkpoint-dir`` (the environment), as a user's script would get it.
@@ -26,6 +29,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--framework", choices=("torch", "deepspeed"), required=True)
 parser.add_argument("--epochs", type=float, default=4)
 parser.add_argument("--step-delay", type=float, default=0.05)
+parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
 args = parser.parse_args()
 
 out = open(Path(os.environ["LOG_DIR"]) / f"{os.environ['POLLUX_WORKER_ID']}.jsonl", "a")

@@ -35,7 +35,9 @@ optimizer partition is gone.
 ``measure(store_url, ...)`` is the entry point for ``benchmarks/rescale.py``. The LAST
 line printed is one JSON object:
 ``{"deepspeed_down_pause_s": .., "deepspeed_up_pause_s": .., ...}`` (ZeRO-2 when measured,
-else the first stage).
+else the first stage), with ``"failed": {"zero<stage>": why}`` for a stage that failed
+(``"pids_kept"`` when a survivor lost its process). ``--smoke``: ZeRO-2, one 1 -> 2 -> 1
+cycle.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import Report, UsageError, run_benchmark  # beside this script
 from worker_events import read_events  # benchmarks/worker_events.py, beside this script
 
 JOB = "bench-deepspeed"  # + "-zero<stage>"
@@ -318,7 +321,50 @@ def measure(store_url: str, repeats: int = 3, stage: int = 2, progress: bool = T
     return out
 
 
-def main() -> None:
+def bench(opts: argparse.Namespace, report: Report) -> None:
+    try:
+        stages = [int(s) for s in opts.stages.split(",")]
+    except ValueError:
+        raise UsageError(f"--stages must be comma-separated integers, got {opts.stages!r}") \
+            from None
+    if opts.repeats < 1 or any(s not in (0, 1, 2) for s in stages):
+        raise UsageError("--repeats must be >= 1 and --stages among 0, 1, 2")
+    if not 1 <= opts.low < opts.high:
+        raise UsageError("need 1 <= --low < --high")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from rescale import parse_count
+
+    try:
+        params = parse_count(opts.params) if opts.params else None
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(str(exc)) from None
+    results: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="ds-rescale-") as tmp:
+        for stage in stages:
+            url = opts.store or f"embedded://{Path(tmp)}/store{stage}.db"
+            with report.case(f"zero{stage}"):
+                results[stage] = measure(url, opts.repeats, stage, high=opts.high, low=opts.low,
+                                         optimizer=opts.optimizer, params=params,
+                                         failures=opts.failures if stage == 0 else 0)
+                r = results[stage]
+                print(f"ZeRO-{stage}: down {r['deepspeed_down_pause_s']:.3f} s, up "
+                      f"{r['deepspeed_up_pause_s']:.3f} s (median over survivors and repeats)",
+                      flush=True)
+    if not results:
+        return
+    main_stage = 2 if 2 in results else min(results)
+    report.update(results[main_stage])
+    for stage, r in results.items():
+        for key in ("deepspeed_down_pause_s", "deepspeed_up_pause_s"):
+            report[f"zero{stage}_{key.removeprefix('deepspeed_')}"] = r[key]
+    if 0 in results and "deepspeed_failure_recovery_s" in results[0]:
+        report["zero0_failure_recovery_s"] = results[0]["deepspeed_failure_recovery_s"]
+    report["pids_kept"] = all(r["pids_kept"] for r in results.values())
+    report.check("pids_kept", report["pids_kept"], "a survivor did not keep its process "
+                 "(see stderr)")
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", default="2,0", help="ZeRO stages, comma separated")
     parser.add_argument("--repeats", type=int, default=3, help="low->high->low cycles per stage")
@@ -333,45 +379,11 @@ def main() -> None:
     parser.add_argument("--store", default=None,
                         help="store URL (default: an embedded store in a temp dir)")
     parser.add_argument("--worker", type=int, metavar="STAGE", help=argparse.SUPPRESS)
-    opts = parser.parse_args()
-    if opts.worker is not None:
-        sys.exit(worker(opts.worker))
-    try:
-        stages = [int(s) for s in opts.stages.split(",")]
-    except ValueError:
-        parser.error(f"--stages must be comma-separated integers, got {opts.stages!r}")
-    if opts.repeats < 1 or any(s not in (0, 1, 2) for s in stages):
-        parser.error("--repeats must be >= 1 and --stages among 0, 1, 2")
-    if not 1 <= opts.low < opts.high:
-        parser.error("need 1 <= --low < --high")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from rescale import parse_count
-
-    try:
-        params = parse_count(opts.params) if opts.params else None
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
-    results: dict[int, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="ds-rescale-") as tmp:
-        for stage in stages:
-            url = opts.store or f"embedded://{Path(tmp)}/store{stage}.db"
-            results[stage] = measure(url, opts.repeats, stage, high=opts.high, low=opts.low,
-                                     optimizer=opts.optimizer, params=params,
-                                     failures=opts.failures if stage == 0 else 0)
-            r = results[stage]
-            print(f"ZeRO-{stage}: down {r['deepspeed_down_pause_s']:.3f} s, up "
-                  f"{r['deepspeed_up_pause_s']:.3f} s (median over survivors and repeats)",
-                  flush=True)
-    main_stage = 2 if 2 in results else stages[0]
-    final = dict(results[main_stage])
-    for stage, r in results.items():
-        for key in ("deepspeed_down_pause_s", "deepspeed_up_pause_s"):
-            final[f"zero{stage}_{key.removeprefix('deepspeed_')}"] = r[key]
-    if 0 in results and "deepspeed_failure_recovery_s" in results[0]:
-        final["zero0_failure_recovery_s"] = results[0]["deepspeed_failure_recovery_s"]
-    final["pids_kept"] = all(r["pids_kept"] for r in results.values())
-    print(json.dumps(final))
+    if "--worker" in sys.argv[1:]:  # a worker started by the driver: no report of its own
+        return worker(parser.parse_args().worker)
+    return run_benchmark(parser, bench, smoke={"stages": "2", "repeats": 1, "low": 1,
+                                               "high": 2})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

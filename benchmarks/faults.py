@@ -19,7 +19,12 @@ etcd:
   restart, which resumes from the newest checkpoint).
 
 The LAST line printed is one JSON object:
-``{"faults": {name: {"survived": bool, "resume_s": float, "epochs_lost": int}}, "hosts": 2}``.
+``{"faults": {name: {"survived": bool, "resume_s": float, "epochs_lost": int}}, "hosts": 2}``,
+with ``"failed": {name: why}`` for each fault not survived (or that could not be run).
+``--smoke``: the faults of ``SMOKE`` on a two-epoch job.
+
+A new fault is one function ``inject(run)`` (it returns once the fault is lifted) and one
+entry in ``FAULTS``: the nodes up at the start, and that function.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]  # the tests' 
 
 from cluster import Cluster  # noqa: E402  (tests/e2e/cluster.py)
 from etcd_server import EtcdServer  # noqa: E402  (tests/etcd_server.py)
+from harness import Report, run_benchmark  # noqa: E402  (beside this script)
 from hosts import HostNet, netns_available  # noqa: E402  (tests/e2e/hosts.py)
 
 from pollux_launch import keys  # noqa: E402
@@ -136,6 +142,7 @@ FAULTS: dict[str, tuple[tuple[str, ...], Callable[[Run], None]]] = {
     "host_partition_30s": (("n1", "n2"), host_partition),
     "leader_overwrite": (("n1", "n2"), leader_overwrite),
 }
+SMOKE = ("worker_sigkill",)  # --smoke: what every fault shares, in a few seconds
 
 
 def measure(name: str, net: HostNet, hosts: dict, folder: Path, epochs: int) -> dict:
@@ -184,25 +191,31 @@ def measure(name: str, net: HostNet, hosts: dict, folder: Path, epochs: int) -> 
         run.close()
 
 
-def main() -> None:
+def bench(args: argparse.Namespace, report: Report) -> None:
+    if not netns_available():
+        report.fail("hosts", "needs root and network namespaces (ip netns) for the two hosts")
+        return
+    names = args.only or list(FAULTS)
+    out: dict[str, dict] = report.setdefault("faults", {})
+    with tempfile.TemporaryDirectory(prefix="pollux-faults-") as tmp, HostNet() as net:
+        hosts = {"n1": net.add_host("h1"), "n2": net.add_host("h2")}
+        report["hosts"] = len(hosts)
+        for i, name in enumerate(names):
+            t0 = time.monotonic()
+            with report.case(name):
+                out[name] = measure(name, net, hosts, Path(tmp) / name, args.epochs)
+                print(f"[{i + 1}/{len(names)}] {name}: {json.dumps(out[name])} "
+                      f"({time.monotonic() - t0:.0f} s)", flush=True)
+                report.check(name, out[name]["survived"], out[name].get("why", ""))
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=sorted(FAULTS), help="faults to run")
     parser.add_argument("--epochs", type=int, default=6, help="statistical epochs per job")
-    args = parser.parse_args()
-    if not netns_available():
-        sys.exit("error: needs root and network namespaces (ip netns) for the two hosts")
-    # SIGTERM ends the run through the normal exits, so the hosts and services are removed
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    out: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="pollux-faults-") as tmp, HostNet() as net:
-        hosts = {"n1": net.add_host("h1"), "n2": net.add_host("h2")}
-        for i, name in enumerate(args.only or FAULTS):
-            t0 = time.monotonic()
-            out[name] = measure(name, net, hosts, Path(tmp) / name, args.epochs)
-            print(f"[{i + 1}/{len(args.only or FAULTS)}] {name}: {json.dumps(out[name])} "
-                  f"({time.monotonic() - t0:.0f} s)", flush=True)
-    print(json.dumps({"faults": out, "hosts": len(hosts)}))
+    # (SIGTERM and Ctrl-C end the run through the normal exits: hosts and services removed)
+    return run_benchmark(parser, bench, smoke={"only": list(SMOKE), "epochs": 2})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

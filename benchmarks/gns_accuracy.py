@@ -15,15 +15,17 @@ same distribution. The estimator under test is the real ``GradientNoiseMonitor``
 separately, then their average as the all-reduced gradient), "single" is one replica
 without accumulation (the differenced estimator over consecutive steps).
 
-Prints one line per case and, LAST, {"rel_err_multi": ..., "rel_err_single": ...}.
+Prints one line per case and, LAST, {"rel_err_multi": ..., "rel_err_single": ...}
+(``--smoke``: 50 steps in 8 dimensions).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 
 import torch
+from harness import Report, run_benchmark  # beside this script
 from tqdm import tqdm
 
 from pollux_launch.tuning.grad_monitor import GradientNoiseMonitor
@@ -63,7 +65,19 @@ def measure(
     return stats.noise_scale, true_noise_scale(d, sigma, 1.0)
 
 
-def main() -> None:
+def bench(args: argparse.Namespace, report: Report) -> None:
+    for name, replicas in (("multi", 4), ("single", 1)):
+        with report.case(name):
+            est, true = measure(
+                replicas, args.steps, args.dim, args.sigma, args.local_bsz, args.m0, args.seed
+            )
+            err = abs(est / true - 1.0)
+            print(f"{name}: replicas={replicas} estimated B={est:.1f} true B={true:.1f} "
+                  f"rel_err={err:.3f}")
+            report[f"rel_err_{name}"] = round(err, 4)
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--dim", type=int, default=64)
@@ -71,19 +85,8 @@ def main() -> None:
     ap.add_argument("--local-bsz", type=int, default=32)
     ap.add_argument("--m0", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    out = {}
-    for name, replicas in (("multi", 4), ("single", 1)):
-        est, true = measure(
-            replicas, args.steps, args.dim, args.sigma, args.local_bsz, args.m0, args.seed
-        )
-        err = abs(est / true - 1.0)
-        print(
-            f"{name}: replicas={replicas} estimated B={est:.1f} true B={true:.1f} rel_err={err:.3f}"
-        )
-        out[f"rel_err_{name}"] = round(err, 4)
-    print(json.dumps(out))
+    return run_benchmark(ap, bench, smoke={"steps": 50, "dim": 8})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

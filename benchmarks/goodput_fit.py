@@ -10,19 +10,20 @@ object:
      "fit_ms_median": ..., "optimize_us_median": ...}
 
 Usage: python benchmarks/goodput_fit.py [--traces DIR] [--fit-repeats N] [--opt-repeats N]
-Timings are medians over many repeats (the machine may be shared: expect noise).
+(``--smoke``: one fit and two optimize calls per model). Timings are medians over many
+repeats (the machine may be shared: expect noise).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from harness import Report, UsageError, run_benchmark  # beside this script
 from tqdm import tqdm
 
 from pollux_launch.goodput import (
@@ -70,26 +71,12 @@ def load_model(folder: Path) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--traces",
-        type=Path,
-        default=DEFAULT_TRACES,
-        help="folder with one sub-folder per model (default: %(default)s)",
-    )
-    ap.add_argument("--fit-repeats", type=int, default=21, help="timed fits per model")
-    ap.add_argument(
-        "--opt-repeats", type=int, default=300, help="timed optimize calls per allocation and model"
-    )
-    args = ap.parse_args(argv)
+def bench(args: argparse.Namespace, report: Report) -> None:
     if not args.traces.is_dir():
-        print(f"error: --traces {args.traces} is not a folder", file=sys.stderr)
-        return 2
+        raise UsageError(f"--traces {args.traces} is not a folder")
     folders = sorted(p for p in args.traces.iterdir() if (p / "placements.csv").is_file())
     if not folders:
-        print(f"error: no <model>/placements.csv under {args.traces}", file=sys.stderr)
-        return 2
+        raise UsageError(f"no <model>/placements.csv under {args.traces}")
 
     results: dict[str, dict[str, float]] = {}
     fit_ms: list[float] = []
@@ -162,18 +149,31 @@ def main(argv: list[str] | None = None) -> int:
     for name, *_, best in rows:
         cells = "  ".join(f"{k}:{m}x{s + 1}" for k, m, s, _ in best)
         print(f"  {name:<12} {cells}")
-    summary = {
+    report.update({
         "models": results,
         "fit_ms_median": round(float(np.median(fit_ms)), 3),
         "optimize_us_median": round(float(np.median(opt_us)), 2),
-    }
+    })
     print(
         f"\nfit: median of {len(fit_ms)} fits over all models; "
         f"optimize: median of {len(opt_us)} single-allocation calls "
         f"(memoised candidate grid; building one grid adds {np.median(cold_us):.0f} us)"
     )
-    print(json.dumps(summary))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--traces",
+        type=Path,
+        default=DEFAULT_TRACES,
+        help="folder with one sub-folder per model (default: %(default)s)",
+    )
+    ap.add_argument("--fit-repeats", type=int, default=21, help="timed fits per model")
+    ap.add_argument(
+        "--opt-repeats", type=int, default=300, help="timed optimize calls per allocation and model"
+    )
+    return run_benchmark(ap, bench, smoke={"fit_repeats": 1, "opt_repeats": 2}, argv=argv)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ that found torch already imported (1.0 with the zygote, 0.0 with ``--cold``).
 
 ``--plain`` uses ``hvd.DistributedOptimizer`` instead of pollux_launch's drop-in.
 :func:`measure` is the function benchmarks/rescale.py calls; the LAST line printed is one
-JSON object with ``horovod_down_pause_s`` and ``horovod_up_pause_s`` (medians).
+JSON object with ``horovod_down_pause_s`` and ``horovod_up_pause_s`` (medians), and
+``"failed"`` naming what failed (``discovery``, ``horovod``). ``--smoke``: one 2 -> 1 -> 2
+cycle, 2 discovery calls per path.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from harness import Report, UsageError, run_benchmark  # beside this script
 
 JOB = "bench-horovod"
 
@@ -349,6 +353,16 @@ def measure(
     }
 
 
+def bench(args: argparse.Namespace, report: Report) -> None:
+    if args.repeats < 1:
+        raise UsageError("--repeats must be >= 1")
+    with report.case("discovery"):
+        report.update(discovery_cost(args.discovery_runs))
+    with report.case("horovod"):
+        report.update(measure(args.repeats, args.high, args.low, args.plain,
+                              warm=not args.cold))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="high->low->high cycles")
@@ -357,23 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain", action="store_true", help="hvd.DistributedOptimizer itself")
     p.add_argument("--cold", action="store_true",
                    help="no pre-started newcomers (each a fresh Python, as horovodrun's)")
+    p.add_argument("--discovery-runs", type=int, default=10,
+                   help="timed calls of each discovery path")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--stop-file", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
+    if "--worker" in (sys.argv[1:] if argv is None else argv):  # run by horovodrun
+        args = p.parse_args(argv)
         worker(args.log_dir, args.stop_file, args.plain)
         return 0
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
-    try:
-        result = {**discovery_cost(), **measure(args.repeats, args.high, args.low, args.plain,
-                                                 warm=not args.cold)}
-    except (RuntimeError, ValueError) as exc:
-        print(f"horovod_rescale: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(result))
-    return 0
+    return run_benchmark(p, bench, argv=argv, smoke={"repeats": 1, "high": 2, "low": 1,
+                                                     "discovery_runs": 2})
 
 
 if __name__ == "__main__":

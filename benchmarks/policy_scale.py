@@ -26,14 +26,14 @@ Prints a table and, as the LAST line, one JSON object:
  "solve_ms_p95", ...}}}.
 p95 is the 95th percentile of the timed solves (linear interpolation), so it means
 something only with many of them: 20 of the default engine by default; the GA's single
-timed solve (``--ga-repeats 1``) makes its p95 that one time.
+timed solve (``--ga-repeats 1``) makes its p95 that one time. An engine that failed is
+named under ``"failed"``. ``--smoke``: 16 GPUs, 2 solves, a GA of 10 x 3 generations.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import statistics
 import sys
@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from harness import Report, UsageError, run_benchmark  # beside this script
 from tqdm import tqdm
 
 from pollux_launch.policy import (
@@ -247,6 +248,103 @@ def p95(samples: list[float]) -> float:
     return round(float(np.percentile(samples, 95)), 2)
 
 
+def solve_engine(name: str, opts: dict, repeats: int, warmup: int, specs: list[JobSpec],
+                 nodes: list[PolicyNode], current: np.ndarray, args: argparse.Namespace,
+                 bar: tqdm) -> dict:
+    """``repeats`` timed solves of engine ``name`` (each after ``warmup`` untimed ones)."""
+    times, cpu, fits, thr = [], [], [], []
+    for r in range(repeats):
+        pol = make_policy(name, p=args.p, seed=args.seed + r, **opts)
+        for _ in range(warmup):
+            pol.optimize(make_jobs(specs, args.speedup)[0], nodes, current)
+            bar.update()
+        jobs, _ = make_jobs(specs, args.speedup)
+        t0, c0 = time.perf_counter(), time.process_time()
+        alloc = pol.optimize(jobs, nodes, current)
+        times.append((time.perf_counter() - t0) * 1000)
+        cpu.append((time.process_time() - c0) * 1000)
+        check_allocation(alloc, nodes, jobs, current)
+        fits.append(evaluate_fitness(jobs, nodes, alloc, current, args.p))
+        thr.append(total_throughput(jobs, alloc))
+        bar.update()
+    return {
+        "solve_ms_median": round(statistics.median(times), 2),
+        "solve_ms_p95": p95(times),
+        # CPU time too: on a shared machine wall time includes waiting for a core.
+        "solve_cpu_ms_median": round(statistics.median(cpu), 2),
+        "solve_cpu_ms_p95": p95(cpu),
+        "fitness": round(float(statistics.median(fits)), 6),
+        "total_throughput": round(float(statistics.median(thr)), 1),
+        "gpus_allocated": int(alloc.sum()),
+        "repeats": repeats,
+        **({"pop_size": opts["pop_size"], "n_gen": opts["n_gen"]} if opts else {}),
+        **({"warmup_rounds": warmup} if warmup else {}),
+    }
+
+
+def bench(args: argparse.Namespace, report: Report) -> None:
+    if args.gpus < SLOTS or args.gpus % SLOTS:
+        raise UsageError(f"--gpus must be a positive multiple of {SLOTS}")
+    try:
+        scale_gpus = [int(x) for x in args.saxena_scale.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--saxena-scale must be comma-separated GPU counts, got "
+                         f"{args.saxena_scale!r}") from None
+    if any(g < SLOTS or g % SLOTS for g in scale_gpus):
+        raise UsageError(f"--saxena-scale sizes must be positive multiples of {SLOTS}")
+    specs, nodes, current = build_round(args.gpus, args.seed, args.speedup)
+    jobs, source = make_jobs(specs, args.speedup)
+    engines = {
+        DEFAULT_POLICY: ({}, args.repeats, 0),
+        "pollux-ga": (
+            {"pop_size": args.ga_pop, "n_gen": args.ga_gens},
+            args.ga_repeats,
+            args.ga_warmup,
+        ),
+        "saxena-dp": ({}, args.repeats, 0),
+    }
+    results = {}
+    total = sum(r * (1 + w) for _, r, w in engines.values())
+    bar = tqdm(total=total, desc="solving", file=sys.stderr)
+    for name, (opts, repeats, warmup) in engines.items():
+        with report.case(name):
+            results[name] = solve_engine(name, opts, repeats, warmup, specs, nodes, current,
+                                         args, bar)
+    bar.close()
+    scale = {}
+    for gpus in tqdm(scale_gpus, desc="saxena-dp scale", file=sys.stderr):
+        with report.case(f"saxena-dp@{gpus}"):
+            scale[str(gpus)] = time_saxena(gpus, args.seed, args.speedup, args.repeats, args.p)
+    print(f"{'policy':<12}{'solve_ms':>12}{'p95_ms':>12}{'fitness':>12}{'gpus':>8}"
+          f"{'samples/s':>14}")
+    for name, r in results.items():
+        print(
+            f"{name:<12}{r['solve_ms_median']:>12.1f}{r['solve_ms_p95']:>12.1f}"
+            f"{r['fitness']:>12.4f}{r['gpus_allocated']:>8}{r['total_throughput']:>14.1f}"
+        )
+    for gpus, r in scale.items():
+        label = f"saxena@{gpus}"
+        print(
+            f"{label:<12}{r['solve_ms_median']:>12.1f}{r['solve_ms_p95']:>12.1f}"
+            f"{'':>12}{r['gpus_allocated']:>8}{r['total_throughput']:>14.1f}"
+        )
+    default = results.get(DEFAULT_POLICY, {})
+    ga_fit = results.get("pollux-ga", {}).get("fitness")
+    report.update({
+        "gpus": args.gpus,
+        "jobs": len(jobs),
+        "speedup_source": source,
+        "policies": results,
+        "default": DEFAULT_POLICY,
+        "default_solve_ms_median": default.get("solve_ms_median"),
+        "default_solve_ms_p95": default.get("solve_ms_p95"),
+        "default_fitness_ratio": (None if not default or ga_fit is None
+                                  else round(default["fitness"] / ga_fit, 4) if ga_fit > 0
+                                  else math.inf),
+        "saxena_dp_scale": scale,
+    })
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=64, help="cluster size (multiple of 4)")
@@ -277,91 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="speedup functions: the goodput core when available (auto) or trace tables",
     )
-    args = ap.parse_args(argv)
-    if args.gpus < SLOTS or args.gpus % SLOTS:
-        ap.error(f"--gpus must be a positive multiple of {SLOTS}")
-    try:
-        scale_gpus = [int(x) for x in args.saxena_scale.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--saxena-scale must be comma-separated GPU counts, got {args.saxena_scale!r}")
-    if any(g < SLOTS or g % SLOTS for g in scale_gpus):
-        ap.error(f"--saxena-scale sizes must be positive multiples of {SLOTS}")
-    specs, nodes, current = build_round(args.gpus, args.seed, args.speedup)
-    jobs, source = make_jobs(specs, args.speedup)
-    engines = {
-        DEFAULT_POLICY: ({}, args.repeats, 0),
-        "pollux-ga": (
-            {"pop_size": args.ga_pop, "n_gen": args.ga_gens},
-            args.ga_repeats,
-            args.ga_warmup,
-        ),
-        "saxena-dp": ({}, args.repeats, 0),
-    }
-    results = {}
-    total = sum(r * (1 + w) for _, r, w in engines.values())
-    bar = tqdm(total=total, desc="solving", file=sys.stderr)
-    for name, (opts, repeats, warmup) in engines.items():
-        times, cpu, fits, thr = [], [], [], []
-        for r in range(repeats):
-            pol = make_policy(name, p=args.p, seed=args.seed + r, **opts)
-            for _ in range(warmup):
-                pol.optimize(make_jobs(specs, args.speedup)[0], nodes, current)
-                bar.update()
-            jobs, _ = make_jobs(specs, args.speedup)
-            t0, c0 = time.perf_counter(), time.process_time()
-            alloc = pol.optimize(jobs, nodes, current)
-            times.append((time.perf_counter() - t0) * 1000)
-            cpu.append((time.process_time() - c0) * 1000)
-            check_allocation(alloc, nodes, jobs, current)
-            fits.append(evaluate_fitness(jobs, nodes, alloc, current, args.p))
-            thr.append(total_throughput(jobs, alloc))
-            bar.update()
-        results[name] = {
-            "solve_ms_median": round(statistics.median(times), 2),
-            "solve_ms_p95": p95(times),
-            # CPU time too: on a shared machine wall time includes waiting for a core.
-            "solve_cpu_ms_median": round(statistics.median(cpu), 2),
-            "solve_cpu_ms_p95": p95(cpu),
-            "fitness": round(float(statistics.median(fits)), 6),
-            "total_throughput": round(float(statistics.median(thr)), 1),
-            "gpus_allocated": int(alloc.sum()),
-            "repeats": repeats,
-            **({"pop_size": opts["pop_size"], "n_gen": opts["n_gen"]} if opts else {}),
-            **({"warmup_rounds": warmup} if warmup else {}),
-        }
-    bar.close()
-    scale = {}
-    for gpus in tqdm(scale_gpus, desc="saxena-dp scale", file=sys.stderr):
-        scale[str(gpus)] = time_saxena(gpus, args.seed, args.speedup, args.repeats, args.p)
-    ga_fit = results["pollux-ga"]["fitness"]
-    print(f"{'policy':<12}{'solve_ms':>12}{'p95_ms':>12}{'fitness':>12}{'gpus':>8}"
-          f"{'samples/s':>14}")
-    for name, r in results.items():
-        print(
-            f"{name:<12}{r['solve_ms_median']:>12.1f}{r['solve_ms_p95']:>12.1f}"
-            f"{r['fitness']:>12.4f}{r['gpus_allocated']:>8}{r['total_throughput']:>14.1f}"
-        )
-    for gpus, r in scale.items():
-        label = f"saxena@{gpus}"
-        print(
-            f"{label:<12}{r['solve_ms_median']:>12.1f}{r['solve_ms_p95']:>12.1f}"
-            f"{'':>12}{r['gpus_allocated']:>8}{r['total_throughput']:>14.1f}"
-        )
-    out = {
-        "gpus": args.gpus,
-        "jobs": len(jobs),
-        "speedup_source": source,
-        "policies": results,
-        "default": DEFAULT_POLICY,
-        "default_solve_ms_median": results[DEFAULT_POLICY]["solve_ms_median"],
-        "default_solve_ms_p95": results[DEFAULT_POLICY]["solve_ms_p95"],
-        "default_fitness_ratio": round(results[DEFAULT_POLICY]["fitness"] / ga_fit, 4)
-        if ga_fit > 0
-        else math.inf,
-        "saxena_dp_scale": scale,
-    }
-    print(json.dumps(out))
-    return 0
+    return run_benchmark(ap, bench, argv=argv, smoke={
+        "gpus": 16, "repeats": 2, "ga_pop": 10, "ga_gens": 3, "ga_warmup": 1,
+        "saxena_scale": "16"})
 
 
 if __name__ == "__main__":

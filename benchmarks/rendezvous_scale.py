@@ -72,6 +72,9 @@ The LAST line printed is one JSON object::
      "coordinator_round_ms_1024_nodes": .., "coordinator_round_ms_p95": ..,
      "etcd_requests_per_round": .., ...}
 
+with ``"failed": {"rounds_<store>" | "coordinator": why}`` for a part that failed.
+``--smoke``: 2 workers, one round per store, 16 nodes and 8 jobs for the coordinator.
+
 Timings on a shared 2-core machine are noisy (run it under ``nice``); nothing asserts them.
 """
 
@@ -87,7 +90,6 @@ import os
 import pstats
 import queue
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -99,6 +101,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness import Report, UsageError, run_benchmark  # beside this script
 from local_etcd import LocalEtcd  # benchmarks/local_etcd.py, beside this script
 from worker_events import read_events  # benchmarks/worker_events.py, beside this script
 
@@ -1020,6 +1023,52 @@ def sizes(text: str) -> list[int]:
     return out
 
 
+def bench(args: argparse.Namespace, report: Report) -> None:
+    if args.rounds < 1 or args.coord_rounds < 1 or args.nodes < 1 or args.jobs < 1:
+        raise UsageError("--rounds, --coord-rounds, --nodes and --jobs must be >= 1")
+    if args.skip_rounds and args.skip_coordinator:
+        raise UsageError("--skip-rounds and --skip-coordinator leave nothing to measure")
+    stores = ["etcd", "embedded"] if args.store == "both" else [args.store]
+    with tempfile.TemporaryDirectory(prefix="pollux-rdzv-scale-") as tmp:
+        res: dict[str, dict[int, dict]] = {}
+        for kind in [] if args.skip_rounds else stores:
+            with report.case(f"rounds_{kind}"):
+                res.update(run_rounds(args, [kind], Path(tmp)))
+        if res:
+            print_rounds(res, args)
+            for kind, key in (("etcd", "round_s"), ("embedded", "round_s_embedded")):
+                if kind in res:
+                    report[key] = {str(n): r["round_s"] for n, r in res[kind].items()}
+            report["store_ops_per_round"] = {
+                kind: {str(n): r["store_ops"] for n, r in per.items()}
+                for kind, per in res.items()}
+            for key in ("rdzv_s", "close_s", "group_s"):
+                report[key] = {kind: {str(n): r[key] for n, r in per.items()}
+                            for kind, per in res.items()}
+            report["store_kb_read_per_round"] = {
+                kind: {str(n): r["store_kb_read"] for n, r in per.items()}
+                for kind, per in res.items()}
+            if "etcd" in res:
+                report["etcd_server_requests_per_round"] = {
+                    str(n): r["etcd_requests"] for n, r in res["etcd"].items()}
+            report["growth_exponent"] = {
+                kind: {"round_s": growth({n: r["round_s"] for n, r in per.items()}),
+                       "close_s": growth({n: r["close_s"] for n, r in per.items()}),
+                       "store_ops": growth({n: r["store_ops"] for n, r in per.items()}),
+                       "store_kb_read": growth({n: r["store_kb_read"]
+                                                for n, r in per.items()})}
+                for kind, per in res.items()}
+        if not args.skip_coordinator:
+            with report.case("coordinator"):
+                c = run_coordinator(args, Path(tmp))
+                print_coordinator(c)
+                report[f"coordinator_round_ms_{args.nodes}_nodes"] = c["round_ms"]
+                report["coordinator_round_ms_p95"] = c["round_ms_p95"]
+                report["coordinator_round_cpu_ms"] = c["round_cpu_ms"]
+                report["etcd_requests_per_round"] = c["etcd_requests_per_round"]
+                report["coordinator"] = {k: v for k, v in c.items() if k != "profile"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=sizes, default=list(SIZES),
@@ -1056,52 +1105,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-url", help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--worker-id", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker_main(args)
-    if args.rounds < 1 or args.coord_rounds < 1 or args.nodes < 1 or args.jobs < 1:
-        p.error("--rounds, --coord-rounds, --nodes and --jobs must be >= 1")
-    if args.skip_rounds and args.skip_coordinator:
-        p.error("--skip-rounds and --skip-coordinator leave nothing to measure")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up workers and etcd
-    stores = ["etcd", "embedded"] if args.store == "both" else [args.store]
-    out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="pollux-rdzv-scale-") as tmp:
-        if not args.skip_rounds:
-            res = run_rounds(args, stores, Path(tmp))
-            print_rounds(res, args)
-            for kind, key in (("etcd", "round_s"), ("embedded", "round_s_embedded")):
-                if kind in res:
-                    out[key] = {str(n): r["round_s"] for n, r in res[kind].items()}
-            out["store_ops_per_round"] = {
-                kind: {str(n): r["store_ops"] for n, r in per.items()}
-                for kind, per in res.items()}
-            for key in ("rdzv_s", "close_s", "group_s"):
-                out[key] = {kind: {str(n): r[key] for n, r in per.items()}
-                            for kind, per in res.items()}
-            out["store_kb_read_per_round"] = {
-                kind: {str(n): r["store_kb_read"] for n, r in per.items()}
-                for kind, per in res.items()}
-            if "etcd" in res:
-                out["etcd_server_requests_per_round"] = {
-                    str(n): r["etcd_requests"] for n, r in res["etcd"].items()}
-            out["growth_exponent"] = {
-                kind: {"round_s": growth({n: r["round_s"] for n, r in per.items()}),
-                       "close_s": growth({n: r["close_s"] for n, r in per.items()}),
-                       "store_ops": growth({n: r["store_ops"] for n, r in per.items()}),
-                       "store_kb_read": growth({n: r["store_kb_read"]
-                                                for n, r in per.items()})}
-                for kind, per in res.items()}
-        if not args.skip_coordinator:
-            c = run_coordinator(args, Path(tmp))
-            print_coordinator(c)
-            out[f"coordinator_round_ms_{args.nodes}_nodes"] = c["round_ms"]
-            out["coordinator_round_ms_p95"] = c["round_ms_p95"]
-            out["coordinator_round_cpu_ms"] = c["round_cpu_ms"]
-            out["etcd_requests_per_round"] = c["etcd_requests_per_round"]
-            out["coordinator"] = {k: v for k, v in c.items() if k != "profile"}
-    print(json.dumps(out))
-    return 0
+    if "--worker" in (sys.argv[1:] if argv is None else argv):  # started by the driver
+        return worker_main(p.parse_args(argv))
+    return run_benchmark(p, bench, argv=argv, smoke={
+        "sizes": [2], "rounds": 1, "settle": 0.2, "nodes": 16, "jobs": 8, "coord_rounds": 2})
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ the same 4 -> 2 -> 4 cycles and model) right after the native run and prints bot
 by side; its JSON keys are ``native_*`` and ``horovod_*``. Other frameworks join through
 SIDES in the same style (e.g. ``deepspeed``: benchmarks/deepspeed_rebuild.py, with the
 same ``--params`` and ``--optimizer``).
-The LAST line printed is one JSON object.
+The LAST line printed is one JSON object, with ``"failed": {part: why}`` for a part that
+failed (``native``, ``probes``, ``calibration``, the other framework; ``pids_kept``).
+``--smoke``: one 4 -> 2 -> 4 cycle and one SIGKILL.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness import Report, UsageError, run_benchmark  # beside this script
 from local_etcd import LocalEtcd  # benchmarks/local_etcd.py, beside this script
 from worker_events import read_events  # benchmarks/worker_events.py, beside this script
 
@@ -481,6 +484,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
         "optimizer": args.optimizer,
         "state_bytes": max((e.get("state_bytes") or 0) for e in c.seen_rounds),
         "start_s": round(med(starts), 4) if starts else None,
+        **({"pids_kept_violations": c.problems} if c.problems else {}),
     }
 
 
@@ -690,6 +694,55 @@ def side_by_side(native: dict, framework: str, other: dict) -> str:
     return "\n".join(lines)
 
 
+def bench(args: argparse.Namespace, report: Report) -> None:
+    if args.repeats < 1 or args.failures < 0 or not args.lease_ttl > 0:
+        raise UsageError("--repeats must be >= 1, --failures >= 0 and --lease-ttl > 0")
+    if args.optimizer is None:
+        args.optimizer = "adam" if args.params else "sgd"
+    side = SIDES.get(args.framework)
+    native_args = argparse.Namespace(**{**vars(args), "framework": "native"})
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pollux-rescale-") as tmp:
+        etcd = None
+        with report.case("native"):
+            etcd = LocalEtcd(Path(tmp)) if args.store == "etcd" else None
+            url = etcd.url if etcd else f"embedded://{tmp}/store.db"
+            try:
+                result = run(native_args if side else args, url)
+            finally:
+                if etcd:
+                    etcd.stop()
+            report.check("pids_kept", result["pids_kept"],
+                         "; ".join(result.get("pids_kept_violations", [])))
+        if result:
+            with report.case("probes"):  # the workers are gone: their memory is free
+                result = add_probes(result, args)
+        if "_bps" in result and args.write_calibration:
+            with report.case("calibration"):
+                written = write_calibration(args.write_calibration, result, args)
+                print(f"calibration written to {args.write_calibration}: "
+                      + ", ".join(f"{k}={written[k]:.4g}" for k in CALIBRATED), flush=True)
+        result.pop("_bps", None)
+        if side is not None:
+            with report.case(args.framework):
+                try:
+                    if etcd:  # the native run stopped its etcd: the other side gets its own
+                        (Path(tmp) / "side").mkdir()
+                        etcd = LocalEtcd(Path(tmp) / "side")
+                        url = etcd.url
+                    other = side(args, url)
+                finally:
+                    if etcd:
+                        etcd.stop()
+                if result:
+                    print(side_by_side(result, args.framework, other), flush=True)
+                result = {**other, **{f"native_{k}": v for k, v in result.items()
+                                      if k not in ("framework", "repeats", "store")},
+                          "store": args.store, "repeats": args.repeats,
+                          "framework": args.framework}
+    report.update(result)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--store", choices=["etcd", "embedded"], default="embedded")
@@ -719,12 +772,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-repeats", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--probe-file", help=argparse.SUPPRESS)
     p.add_argument("--probe-dir", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.optimizer is None:
-        args.optimizer = "adam" if args.params else "sgd"
-    if args.probe:
-        return (probe_broadcast if args.probe == "broadcast" else probe_checkpoint)(args)
-    if args.worker:
+    given = sys.argv[1:] if argv is None else argv
+    if "--worker" in given or "--probe" in given:  # started by the driver: no report
+        args = p.parse_args(argv)  # (the driver gives them --optimizer)
+        if args.probe:
+            return (probe_broadcast if args.probe == "broadcast" else probe_checkpoint)(args)
         if os.environ.get("POLLUX_LOG_LEVEL"):
             import logging
 
@@ -734,45 +786,7 @@ def main(argv: list[str] | None = None) -> int:
                 format=f"%(relativeCreated)d {args.worker_id} %(message)s",
             )
         return WORKERS[args.framework](args).run()
-    if args.repeats < 1 or args.failures < 0 or not args.lease_ttl > 0:
-        p.error("--repeats must be >= 1, --failures >= 0 and --lease-ttl > 0")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up workers and etcd
-    side = SIDES.get(args.framework)
-    native_args = argparse.Namespace(**{**vars(args), "framework": "native"})
-    with tempfile.TemporaryDirectory(prefix="pollux-rescale-") as tmp:
-        etcd = LocalEtcd(Path(tmp)) if args.store == "etcd" else None
-        url = etcd.url if etcd else f"embedded://{tmp}/store.db"
-        try:
-            result = run(native_args if side else args, url)
-        finally:
-            if etcd:
-                etcd.stop()
-        result = add_probes(result, args)  # the workers are gone: their memory is free
-        if args.write_calibration:
-            written = write_calibration(args.write_calibration, result, args)
-            print(f"calibration written to {args.write_calibration}: "
-                  + ", ".join(f"{k}={written[k]:.4g}" for k in CALIBRATED), flush=True)
-        result.pop("_bps")
-        if side is not None:
-            try:
-                if etcd:  # the native run stopped its etcd: the other side gets its own
-                    (Path(tmp) / "side").mkdir()
-                    etcd = LocalEtcd(Path(tmp) / "side")
-                    url = etcd.url
-                other = side(args, url)
-            except (RuntimeError, ValueError) as exc:
-                print(f"rescale: {args.framework}: {exc}", file=sys.stderr)
-                return 1
-            finally:
-                if etcd:
-                    etcd.stop()
-            print(side_by_side(result, args.framework, other), flush=True)
-            result = {**other, **{f"native_{k}": v for k, v in result.items()
-                                  if k not in ("framework", "repeats", "store")},
-                      "store": result["store"], "repeats": args.repeats,
-                      "framework": args.framework}
-    print(json.dumps(result))
-    return 0
+    return run_benchmark(p, bench, argv=argv, smoke={"repeats": 1, "failures": 1})
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ skips it). Progress goes to stderr; tables to stdout; the LAST line is one JSON 
      "profile_on_arrival": {"workloads": {"workload-1": {"off": s, "on": s}, ...},
                             "mean_off": s, "mean_on": s, "on_vs_off": r},
      "setup": {...}, "total_wall_s": s}
+
+``--smoke``: 8 jobs and one seed per scenario, the first 5 jobs of workload 1 for profile
+on arrival.
 """
 
 from __future__ import annotations
@@ -44,15 +47,17 @@ import multiprocessing
 import sys
 import time
 
+from harness import Report, UsageError, run_benchmark  # beside this script
 from tqdm import tqdm
 
 from pollux_launch.calibration import load_rescale_cost
 from pollux_launch.policy.admission import AdmissionConfig
 from pollux_launch.policy.rescale_cost import RESCALE_MODELS
 from pollux_launch.sim.generate import SCENARIOS, generate_workload
-from pollux_launch.sim.run import config_for, run_specs, run_workload
+from pollux_launch.sim.run import config_for, run_specs
 from pollux_launch.sim.simulator import ProfileConfig
-from pollux_launch.sim.traces import TRACES_DIR, parse_numbers
+from pollux_launch.sim.traces import TRACES_DIR, available_models, parse_numbers
+from pollux_launch.sim.workload import load_workload
 
 MODES = ("queue", "drop")
 POLICIES = ("pollux-dp", "saxena-dp", "max-bs")
@@ -75,11 +80,12 @@ def _scenario_task(task):
 
 
 def _profile_task(task):
-    k, on, model, calibration, seconds, max_replicas = task
+    k, on, model, calibration, seconds, max_replicas, jobs = task
     t0 = time.perf_counter()
     profile = ProfileConfig(seconds, max_replicas) if on else None
     cfg = config_for(model, load_rescale_cost(calibration), profile=profile)
-    res = run_workload(TRACES_DIR / "workloads" / f"workload-{k}.csv", "pollux-dp", cfg)
+    path = TRACES_DIR / "workloads" / f"workload-{k}.csv"
+    res = run_specs(load_workload(path, available_models())[:jobs], "pollux-dp", cfg)
     s = res.summary()
     return ("profile", (k, on), {"avg_jct": s["avg_jct"], "restarts": s["total_restarts"],
                                  "wall_s": time.perf_counter() - t0})
@@ -90,40 +96,25 @@ def _run(task):
 
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--gpus-per-node", type=int, default=4)
-    ap.add_argument("--jobs", type=int, default=120, help="jobs per scenario and seed")
-    ap.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
-    ap.add_argument("--scenarios", default="high_rate,low_rate",
-                    help=f"comma list of {', '.join(SCENARIOS)} (high_rate,low_rate)")
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--rescale-model", default="checkpoint-restart", choices=RESCALE_MODELS)
-    ap.add_argument("--rescale-calibration", default=None, metavar="FILE")
-    ap.add_argument("--profile-workloads", default="1-8",
-                    help="Pollux workloads (load 1.0) for profile on arrival, or none")
-    ap.add_argument("--profile-seconds", type=float, default=60.0)
-    ap.add_argument("--profile-max-replicas", type=int, default=8)
-    ap.add_argument("--procs", type=int, default=2, help="parallel simulations (max 2 here)")
-    args = ap.parse_args(argv)
+def bench(args: argparse.Namespace, report: Report) -> None:
     try:
         seeds = [int(x) for x in args.seeds.split(",")]
         profile_ks = parse_numbers(args.profile_workloads)
         cost = load_rescale_cost(args.rescale_calibration)
     except ValueError as exc:
-        ap.error(str(exc))
+        raise UsageError(str(exc)) from None
     scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
     if bad := [x for x in scenarios if x not in SCENARIOS]:
-        ap.error(f"unknown scenario {bad[0]!r}; choose from {', '.join(SCENARIOS)}")
+        raise UsageError(f"unknown scenario {bad[0]!r}; choose from {', '.join(SCENARIOS)}")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     if bad := [k for k in profile_ks if not 1 <= k <= 8]:
-        ap.error(f"unknown Pollux workload {bad[0]}; choose from 1-8")
+        raise UsageError(f"unknown Pollux workload {bad[0]}; choose from 1-8")
     tasks = [("scenario", (sc, mode, pol, seed, args.nodes, args.gpus_per_node, args.jobs,
                            args.rescale_model, args.rescale_calibration))
              for sc in scenarios for mode in MODES for pol in policies for seed in seeds]
     tasks += [("profile", (k, on, args.rescale_model, args.rescale_calibration,
-                           args.profile_seconds, args.profile_max_replicas))
+                           args.profile_seconds, args.profile_max_replicas,
+                           args.profile_jobs))
               for k in profile_ks for on in (False, True)]
     runs: dict = {}
     profile: dict = {}
@@ -226,8 +217,29 @@ def main(argv=None) -> int:
                     "calibration": cost.source,
                     "loads": {sc: SCENARIOS[sc].load for sc in scenarios}}
     out["total_wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(out))
-    return 0
+    report.update(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--gpus-per-node", type=int, default=4)
+    ap.add_argument("--jobs", type=int, default=120, help="jobs per scenario and seed")
+    ap.add_argument("--seeds", default="0,1,2", help="comma list of seeds")
+    ap.add_argument("--scenarios", default="high_rate,low_rate",
+                    help=f"comma list of {', '.join(SCENARIOS)} (high_rate,low_rate)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--rescale-model", default="checkpoint-restart", choices=RESCALE_MODELS)
+    ap.add_argument("--rescale-calibration", default=None, metavar="FILE")
+    ap.add_argument("--profile-workloads", default="1-8",
+                    help="Pollux workloads (load 1.0) for profile on arrival, or none")
+    ap.add_argument("--profile-seconds", type=float, default=60.0)
+    ap.add_argument("--profile-max-replicas", type=int, default=8)
+    ap.add_argument("--profile-jobs", type=int, default=None, metavar="N",
+                    help="only the first N jobs of each Pollux workload (default: all)")
+    ap.add_argument("--procs", type=int, default=2, help="parallel simulations (max 2 here)")
+    return run_benchmark(ap, bench, argv=argv, smoke={
+        "jobs": 8, "seeds": "0", "profile_workloads": "1", "profile_jobs": 5})
 
 
 if __name__ == "__main__":

@@ -20,23 +20,25 @@ one JSON object::
 ``*_vs_published`` is the mean over workloads of avg JCT / the published Pollux avg JCT
 where per-workload figures are published (load 1.0), else the ratio of the means over
 workloads 1-8. A policy other than the default is reported as ``<model>:<policy>``.
+``--smoke``: the first 5 jobs of workload 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import sys
 import time
 
+from harness import Report, UsageError, run_benchmark  # beside this script
 from tqdm import tqdm
 
 from pollux_launch.calibration import load_rescale_cost
 from pollux_launch.policy import DEFAULT_POLICY
 from pollux_launch.policy.rescale_cost import RESCALE_MODELS
-from pollux_launch.sim.run import config_for, run_workload
-from pollux_launch.sim.traces import TRACES_DIR, parse_numbers
+from pollux_launch.sim.run import config_for, run_specs
+from pollux_launch.sim.traces import TRACES_DIR, available_models, parse_numbers
+from pollux_launch.sim.workload import load_workload
 
 # traces/README.md: Pollux (p = -1), authors' simulator, 64 GPUs, 60 s, 30 s per restart.
 PUBLISHED_POLLUX = {1.0: [2089, 3323, 2188, 2721, 2674, 2446, 3616, 2952]}
@@ -49,11 +51,11 @@ LOAD_DIRS = {0.5: "workloads-0.5", 1.0: "workloads", 1.5: "workloads-1.5", 2.0: 
 
 
 def _one(task):
-    load, k, model, policy, seed, calibration = task
+    load, k, model, policy, seed, calibration, jobs = task
     path = TRACES_DIR / LOAD_DIRS[load] / f"workload-{k}.csv"
     t0 = time.perf_counter()
     cfg = config_for(model, load_rescale_cost(calibration))
-    res = run_workload(path, policy, cfg, seed=seed)
+    res = run_specs(load_workload(path, available_models())[:jobs], policy, cfg, seed=seed)
     summary = res.summary()
     summary["wall_s"] = time.perf_counter() - t0
     return load, k, _label(model, policy), summary
@@ -72,31 +74,21 @@ def _ratio(load: float, ks: list[int], jcts: dict[int, float]) -> float:
     return sum(jcts.values()) / len(ks) / PUBLISHED_MEAN["pollux"][load]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--loads", default="1.0", help="comma list of 0.5, 1.0, 1.5, 2.0")
-    ap.add_argument("--workloads", default="1-8", help="e.g. 1-8 or 1,3,5")
-    ap.add_argument("--rescale-models", default="live,checkpoint-restart",
-                    help=f"comma list of {', '.join(RESCALE_MODELS)}")
-    ap.add_argument("--policies", default=DEFAULT_POLICY, help="comma list (e.g. pollux-ga)")
-    ap.add_argument("--rescale-calibration", default=None, metavar="FILE",
-                    help="calibrated costs (default: the bundled calibration)")
-    ap.add_argument("--procs", type=int, default=2, help="parallel simulations (max 2 here)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+def bench(args: argparse.Namespace, report: Report) -> None:
     try:
         loads = [float(x) for x in args.loads.split(",")]
         ks = parse_numbers(args.workloads)
         cost = load_rescale_cost(args.rescale_calibration)
     except ValueError as exc:
-        ap.error(str(exc))
+        raise UsageError(str(exc)) from None
     if bad := [x for x in loads if x not in LOAD_DIRS]:
-        ap.error(f"unknown load {bad[0]}; choose from {sorted(LOAD_DIRS)}")
+        raise UsageError(f"unknown load {bad[0]}; choose from {sorted(LOAD_DIRS)}")
     models = [m.strip() for m in args.rescale_models.split(",") if m.strip()]
     if bad := [m for m in models if m not in RESCALE_MODELS]:
-        ap.error(f"unknown rescale model {bad[0]!r}; choose from {', '.join(RESCALE_MODELS)}")
+        raise UsageError(f"unknown rescale model {bad[0]!r}; "
+                         f"choose from {', '.join(RESCALE_MODELS)}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    tasks = [(load, k, m, p, args.seed, args.rescale_calibration)
+    tasks = [(load, k, m, p, args.seed, args.rescale_calibration, args.jobs)
              for load in loads for k in ks for m in models for p in policies]
     labels = [_label(m, p) for m in models for p in policies]
     results: dict[float, dict[int, dict[str, dict]]] = {x: {k: {} for k in ks} for x in loads}
@@ -147,8 +139,23 @@ def main(argv=None) -> int:
                "total_wall_s": round(time.perf_counter() - t0, 1)}
     if "1.0" in out_loads and "live_vs_published" in out_loads["1.0"]:
         summary["live_vs_published"] = out_loads["1.0"]["live_vs_published"]
-    print(json.dumps(summary))
-    return 0
+    report.update(summary)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loads", default="1.0", help="comma list of 0.5, 1.0, 1.5, 2.0")
+    ap.add_argument("--workloads", default="1-8", help="e.g. 1-8 or 1,3,5")
+    ap.add_argument("--rescale-models", default="live,checkpoint-restart",
+                    help=f"comma list of {', '.join(RESCALE_MODELS)}")
+    ap.add_argument("--policies", default=DEFAULT_POLICY, help="comma list (e.g. pollux-ga)")
+    ap.add_argument("--rescale-calibration", default=None, metavar="FILE",
+                    help="calibrated costs (default: the bundled calibration)")
+    ap.add_argument("--procs", type=int, default=2, help="parallel simulations (max 2 here)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=None, metavar="N",
+                    help="only the first N jobs of each workload (default: all)")
+    return run_benchmark(ap, bench, argv=argv, smoke={"workloads": "1", "jobs": 5})
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ on the way out: a worker reaped, the job's final status written and seen, the se
 stopped), with the workers' own marks; medians over ``--timeline-repeats`` runs. Probed runs are
 not part of the medians above.
 
-Prints progress lines; the LAST line printed is one JSON object.
+Prints progress lines; the LAST line printed is one JSON object, with ``"failed":
+{launcher: why}`` for a launcher that failed a run (``errors`` keeps the same). ``--smoke``:
+one measured run of each launcher, no warm-up, one probed timeline.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from harness import Report, UsageError, run_benchmark  # beside this script
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "startup_worker.py"
@@ -105,12 +109,12 @@ def _probe_pollux(stamp: _Stamps, argv: list[str]) -> int:
     import pollux_launch.cli as cli
     import pollux_launch.launcher.run as run
 
-    stamp("launcher_imported")  # pollux-run's modules (not torch: local_slots_default)
+    stamp("launcher_imported")  # pollux-run's modules (not torch: local_gpus)
     from pollux_launch.coordinator.service import Coordinator
     from pollux_launch.launcher.node_agent import NodeAgent
     from pollux_launch.launcher.workers import WorkerGroup
 
-    _wrap(run, "local_slots_default", after=lambda r: stamp("slots_counted"))
+    _wrap(run, "local_gpus", after=lambda r, *a: stamp("slots_counted"))
     _wrap(run, "open_store", after=lambda r, *a: stamp("store_opened"))
     _wrap(run, "_submit", after=lambda r, *a: stamp("job_submitted"))
     _wrap(Coordinator, "_campaign", after=lambda r, *a: r and stamp("leader_elected"))
@@ -370,40 +374,23 @@ def _fmt(r: dict) -> str:
             f"s; exit {r['exit_s']:.2f} s)")
 
 
-def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--_probe":
-        sys.exit(probe_main(sys.argv[2], sys.argv[3:]))
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=3, help="measured runs per launcher")
-    p.add_argument("--launchers", default=",".join(LAUNCHERS),
-                   help=f"comma-separated subset of {','.join(LAUNCHERS)}")
-    p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured first runs")
-    p.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
-                   help="also probe pollux-run's and torchrun's phases (default: on)")
-    p.add_argument("--timeline-repeats", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=120.0, help="per launch, seconds")
-    p.add_argument("--tree", default=None,
-                   help="run pollux-run from this source tree (laid out as the repository)")
-    p.add_argument("--pollux-store", default=None,
-                   help="pollux-run's --store (default: a private embedded file)")
-    p.add_argument("--pollux-flags", default="", help="extra pollux-run flags")
-    args = p.parse_args()
+def bench(args: argparse.Namespace, report: Report) -> None:
     launchers = [name.strip() for name in args.launchers.split(",") if name.strip()]
     for name in launchers:
         if name not in LAUNCHERS:
-            p.error(f"unknown launcher {name!r}")
+            raise UsageError(f"unknown launcher {name!r}")
     started = time.time()
     results: dict[str, list[dict]] = {name: [] for name in launchers}
     errors: dict[str, str] = {}
     timelines: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="pollux-startup-") as tmp:
-        bench = Bench(args, Path(tmp))
+        launches = Bench(args, Path(tmp))
         print(f"[startup] {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
-              f"pollux-run store {bench.store}" + (f", tree {args.tree}" if args.tree else ""),
+              f"pollux-run store {launches.store}" + (f", tree {args.tree}" if args.tree else ""),
               flush=True)
         if not args.no_warmup:
             for name in launchers:
-                r = bench.run(name)
+                r = launches.run(name)
                 print(f"[startup] warm-up {name}: {_fmt(r)}", flush=True)
                 if "error" in r:
                     errors[name] = r["error"]
@@ -411,7 +398,7 @@ def main() -> None:
         for i in range(args.repeats):
             order = live[i % len(live):] + live[: i % len(live)] if live else []
             for name in order:
-                r = bench.run(name)
+                r = launches.run(name)
                 print(f"[startup] round {i + 1}/{args.repeats} {name}: {_fmt(r)}", flush=True)
                 if "error" in r:
                     errors.setdefault(name, r["error"])
@@ -420,9 +407,11 @@ def main() -> None:
         if args.timeline:
             for i in range(args.timeline_repeats):
                 for name in ("torchrun", "pollux-run"):
-                    r = bench.run(name, probe=True)
+                    r = launches.run(name, probe=True)
                     print(f"[startup] timeline {i + 1}/{args.timeline_repeats} {name}: "
                           f"{_fmt(r)}", flush=True)
+                    if "error" in r:
+                        report.fail(f"{name} (timeline)", r["error"])
                     if "timeline" in r:
                         timelines.setdefault(name, []).append(r["timeline"])
                         print("           " + ", ".join(
@@ -450,8 +439,30 @@ def main() -> None:
     out.update({"repeats": args.repeats, "np": NP, "cores": os.cpu_count(),
                 "pollux_tree": args.tree or "installed", "errors": errors,
                 "bench_wall_s": round(time.time() - started, 1)})
-    print(json.dumps(out), flush=True)
+    report.update(out)
+    for name, why in errors.items():
+        report.fail(name, why)
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--_probe":  # a probed launcher: no report
+        return probe_main(sys.argv[2], sys.argv[3:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per launcher")
+    p.add_argument("--launchers", default=",".join(LAUNCHERS),
+                   help=f"comma-separated subset of {','.join(LAUNCHERS)}")
+    p.add_argument("--no-warmup", action="store_true", help="skip the unmeasured first runs")
+    p.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also probe pollux-run's and torchrun's phases (default: on)")
+    p.add_argument("--timeline-repeats", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=120.0, help="per launch, seconds")
+    p.add_argument("--tree", default=None,
+                   help="run pollux-run from this source tree (laid out as the repository)")
+    p.add_argument("--pollux-store", default=None,
+                   help="pollux-run's --store (default: a private embedded file)")
+    p.add_argument("--pollux-flags", default="", help="extra pollux-run flags")
+    return run_benchmark(p, bench, smoke={"repeats": 1, "no_warmup": True})
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -24,6 +24,9 @@ fi
 scripts/install-horovod.sh
 
 .venv/bin/ruff check .
+# the venv's tools first, as in pollux-run's workers: DeepSpeed's CPU op JIT then builds
+# with one ninja everywhere (the venv's and Debian's rebuild each other's cache)
+export PATH="$PWD/.venv/bin:$PATH"
 # many worker processes share 2 cores in the tests: one BLAS/OpenMP thread each
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 exec .venv/bin/pytest "$@"
