@@ -158,6 +158,8 @@ class NodeAgent:
         self._newest: dict[str, Allocation] = {}  # per job: the newest allocation seen
         self._logged: set[tuple[str, str, int, int]] = set()  # (what, job, *order), said once
         self._epoch = Epoch()
+        # exits reaped but not reported yet (a store error): (job, side, driver, exit)
+        self._unreported: list[tuple[str, Side, JobDriver, ProcessExit]] = []
 
     @property
     def registers(self) -> bool:
@@ -398,26 +400,34 @@ class NodeAgent:
         return [d for (name, _), d in self.drivers.items() if name == job]
 
     def _reap(self) -> None:
+        """Reap ended processes and report each exit (in order; an exit whose report hit a
+        store error is reported again at the next pass, not lost with the process)."""
         for (name, side), driver in list(self.drivers.items()):
             for ended in driver.reap(lambda name=name: self._allocation(name)):
                 self.exits.append((name, ended.worker_id, ended.code))
                 log.info("job %s process %s exited %d (%s)", name, ended.worker_id, ended.code,
                          ended.kind)
-                if ended.kind == "finished" and side == "launcher":  # (e.g. horovodrun's)
-                    self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
-                elif ended.kind == "finished":
-                    self._finished(name, ended)
-                elif ended.kind == "failed" or (ended.kind == "lost" and self._completing(name)):
-                    who = f"{ended.detail.partition(':')[0]} ({ended.worker_id} on " \
-                          f"{self.node.name})" if ended.detail else \
-                          f"{ended.worker_id} on {self.node.name}"
-                    why = ended.detail.partition(":")[2].strip()
-                    if ended.kind == "lost":  # nothing replaces it once its group completes
-                        why = "killed while the rest of its group completed the script"
-                    self._set_status(name, JobStatus(
-                        "failed", ended.code, f"{who} exited {ended.code}"
-                        + (f": {why}" if why else ""), self.clock()))
-                    driver.stop(grace=5.0)
+                self._unreported.append((name, side, driver, ended))
+        while self._unreported:
+            self._report(*self._unreported[0])
+            self._unreported.pop(0)
+
+    def _report(self, name: str, side: Side, driver: JobDriver, ended: ProcessExit) -> None:
+        if ended.kind == "finished" and side == "launcher":  # (e.g. horovodrun's)
+            self._set_status(name, JobStatus("succeeded", 0, "", self.clock()))
+        elif ended.kind == "finished":
+            self._finished(name, ended)
+        elif ended.kind == "failed" or (ended.kind == "lost" and self._completing(name)):
+            who = f"{ended.detail.partition(':')[0]} ({ended.worker_id} on " \
+                  f"{self.node.name})" if ended.detail else \
+                  f"{ended.worker_id} on {self.node.name}"
+            why = ended.detail.partition(":")[2].strip()
+            if ended.kind == "lost":  # nothing replaces it once its group completes
+                why = "killed while the rest of its group completed the script"
+            self._set_status(name, JobStatus(
+                "failed", ended.code, f"{who} exited {ended.code}"
+                + (f": {why}" if why else ""), self.clock()))
+            driver.stop(grace=5.0)
 
     def _finished(self, name: str, ended: ProcessExit) -> None:
         """A worker completed the script: record it; the job has succeeded once every
