@@ -13,6 +13,13 @@ What is touched and why:
   ``deepspeed.comm.destroy_process_group`` would call it, but the rendezvous tears the group
   down through ``torch.distributed`` directly. ``groups._WORLD_GROUP`` is then set to the
   default group, which saves a group creation per rebuild.
+* What holds a process group (:func:`release_groups`, when a replica leaves and at exit):
+  those caches; the engine's and its optimizer's attributes (``data_parallel_group``,
+  ``seq_data_parallel_group``, ZeRO's ``dp_process_group``, ``real_dp_process_group``...),
+  since the engine outlives its handle while a ``loss`` the script keeps reaches it through
+  DeepSpeed's backward hooks; and ``_dp_group``, which ZeRO-1/2 and the bf16 optimizer set
+  on each of the module's parameters (``utils/mixed_precision_linkage.link_hp_params``) and
+  never clear.
 * ``deepspeed.comm.torch.build_shm_op`` - loaded early by :func:`prewarm`.
 * The engine's module hooks (``module_forward_pre_hook``, ``module_forward_post_hook``,
   ``first_dataloader_check``) - ``engine.destroy()`` leaves them on the user's module, and
@@ -38,6 +45,7 @@ What is touched and why:
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -78,6 +86,26 @@ def release_group_caches() -> None:
     groups._release_process_group_references(None)
     if dist.is_initialized():
         groups._WORLD_GROUP = dist.group.WORLD
+
+
+def release_groups(engine: Any = None) -> None:
+    """Let go of every process group DeepSpeed holds: its cached groups and, for
+    ``engine``, the engine's and its optimizer's group attributes and the parameters'
+    ``_dp_group``. A group destroyed while something holds it keeps its gloo threads
+    running into the interpreter's finalisation (``pollux_launch.rendezvous.process_group``,
+    "Leaving at exit"). Local; imports nothing DeepSpeed has not loaded."""
+    from pollux_launch.rendezvous.process_group import forget_groups_in
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        groups._release_process_group_references(None)
+    if engine is None:
+        return
+    module = getattr(engine, "module", None)
+    for obj in (engine, getattr(engine, "optimizer", None),
+                *(module.parameters() if module is not None else ())):
+        if obj is not None:
+            forget_groups_in(obj)
 
 
 def detach_engine(engine: Any) -> None:

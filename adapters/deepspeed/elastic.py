@@ -207,7 +207,8 @@ class _DeepSpeedHooks:
         return None
 
     def leave(self) -> None:
-        pass  # the engine was detached by capture()
+        # the engine was detached by capture(); the groups it held are gone
+        self._handle._release_groups()
 
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
                          ) -> dict[str, Any] | None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pollux_launch import env as envvars
+from pollux_launch.rendezvous.process_group import release_at_exit
 
 from . import compat
 from .config import (
@@ -46,6 +47,8 @@ from .state import EngineState, capture, detach, restore, share_module, state_ho
 
 JOB_ENV = envvars.JOB
 NEWCOMER_WAIT_S = 120.0  # the longest survivors keep training while a grow's newcomers start
+
+release_at_exit(compat.release_groups)  # DeepSpeed's cached groups, whatever engines live
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -306,6 +309,7 @@ class PolluxEngine:
         # a newcomer to a running job receives the survivors' state here (its module
         # tensors may be the live parameters: read it before training on)
         self.restored_state = self._build(None, micro_batch, accumulation_steps)
+        release_at_exit(self._release_groups)
 
     # -- building --------------------------------------------------------------------
     def _build(self, state: EngineState | None, micro: int, steps: int) -> EngineState | None:
@@ -341,6 +345,14 @@ class PolluxEngine:
         self._lr_handles = []
         self.grad_stats.detach()
         detach(self.engine)
+
+    def _release_groups(self) -> None:
+        """DeepSpeed lets go of the process groups (``compat.release_groups``): at exit,
+        before they are destroyed for good, and when this replica leaves its job. A group
+        still held keeps its gloo threads (``process_group``, "Leaving at exit")."""
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            compat.release_groups(engine)
 
     def live(self, name: str) -> Any:
         """A view of the current engine's ``name`` attribute (None if it has none)."""
@@ -497,6 +509,7 @@ class PolluxEngine:
         state = self.capture(client_state)
         self._detach()
         if not reform():
+            self._release_groups()
             return None
         if micro_batch is None or accumulation_steps is None:
             micro_batch, accumulation_steps = self.pollux.initial_micro_batch(_world_size())

@@ -49,7 +49,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from pollux_launch import env as envvars
@@ -59,7 +58,12 @@ from pollux_launch.elastic.controller import (
     HintsReporter,
     checkpoint_writer,
 )
-from pollux_launch.rendezvous.process_group import broadcast_state, share_state, vote_any
+from pollux_launch.rendezvous.process_group import (
+    broadcast_state,
+    release_at_exit,
+    share_state,
+    vote_any,
+)
 from pollux_launch.tuning.gns import GradNoise
 from pollux_launch.tuning.hooks import attach_measurement
 from pollux_launch.tuning.progress import StatisticalProgress
@@ -127,6 +131,7 @@ class ElasticTrainer:
             checkpoints=checkpoint_writer(checkpoint_dir, checkpoint_interval),
             policies=resolve_policies(policies, os.environ.get(envvars.POLICIES)))
         loader.on_step_boundary = self._on_boundary
+        release_at_exit(self._release_group)
         info = self.job.info
         self.controller.start(fresh=info is None or info.fresh,
                               sync=self.job.elastic and info is not None
@@ -273,6 +278,12 @@ class ElasticTrainer:
         """Called by the loader after every optimiser step, before its next batch."""
         self.controller.boundary()
 
+    def _release_group(self) -> None:
+        """Drop the DDP wrapper, whose reducer holds the process group: a group destroyed
+        while something still holds it keeps its gloo threads (``process_group``'s "Leaving
+        at exit"). When this worker leaves its job, and at exit."""
+        self._ddp = None
+
     def _forward_failed(self, exc: RuntimeError, inputs: tuple, kwargs: dict) -> Any:
         """DDP's forward runs collectives of its own (the bucket rebuild after the first
         step, buffer broadcasts): a peer dying there re-forms the job like any failure,
@@ -326,7 +337,7 @@ class _TorchHooks:
         t.loader.set_batch_size(m, s)
         t.hooks.configure(num_nodes=p.num_nodes, num_replicas=p.world_size, local_bsz=m,
                           accum_steps=s, loss_averaged_over_accum=True,
-                          process_group=None if p.world_size == 1 else dist.group.WORLD)
+                          process_group=None)  # the default group at call time: held by none
 
     def set_lr_factor(self, factor: float) -> None:
         pass  # _optimizer_step reads the controller's factor
@@ -384,6 +395,7 @@ class _TorchHooks:
 
     def leave(self) -> None:
         self.t.hooks.remove()
+        self.t._release_group()
 
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
                          ) -> dict[str, Any]:

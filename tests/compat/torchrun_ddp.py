@@ -29,6 +29,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # before the group: see main()'s end
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
@@ -165,9 +166,14 @@ def main() -> None:
             json.dump(result, f)
         os.replace(tmp, args.result)
     dist.barrier()  # no rank leaves while another still talks to it
-    # the DDP model (its reducer holds the group) goes first: torch 2.13's gloo aborts
-    # about one exit in 20 here ("terminate called without an active exception") when
-    # the group is torn down in interpreter teardown instead
+    # the DDP model (its reducer holds the group) goes first, so that destroying the group
+    # ends its threads: torch 2.13's gloo aborts some exits ("terminate called without an
+    # active exception") when the group's threads are still running in interpreter
+    # teardown. torch.distributed.nn.functional is imported at the top, before the group
+    # forms: torch 2.13 evaluates ``group.WORLD`` as a default argument there, and
+    # torch._dynamo imports it with the first optimizer - after init_process_group it
+    # would hold the group past destroy_process_group (tests/adapters/test_clean_exit.py;
+    # pollux's own API takes care of it for a script)
     del trainer
     gc.collect()
     dist.destroy_process_group()

@@ -19,6 +19,11 @@ p.add_argument("--stop-file", required=True)
 p.add_argument("--step-delay", type=float, default=0.1)
 args = p.parse_args()
 
+# before the group: imported after it (torch._dynamo does, with the first optimizer), this
+# module keeps the group alive past destroy_process_group in a default argument (torch
+# 2.13), and gloo may abort the exit (see tests/compat/torchrun_ddp.py)
+import torch.distributed.nn.functional  # noqa: E402
+
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
