@@ -244,11 +244,11 @@ class NodeAgent:
                 continue
             if spec is None:
                 continue
-            if completion(spec, view.alloc, view.values).begun:
-                continue  # its script completed somewhere: nothing is started or replaced
+            completing = completion(spec, view.alloc, view.values).begun
             for cls in driver_classes(spec.framework, spec.elasticity):
                 if cls.side in self.sides:
-                    self._drive(cls, spec, status, view.alloc, view.spec_text, view.signature)
+                    self._drive(cls, spec, status, view.alloc, view.spec_text, view.signature,
+                                completing)
         self._publish_workers()
 
     def _forget(self, name: str) -> None:
@@ -362,7 +362,10 @@ class NodeAgent:
         return newest
 
     def _drive(self, cls: type[JobDriver], spec: JobSpec, status: JobStatus | None,
-               alloc: Allocation | None, spec_text: str, signature: str | None) -> None:
+               alloc: Allocation | None, spec_text: str, signature: str | None,
+               completing: bool = False) -> None:
+        """Run what ``alloc`` asks of ``cls`` for the job, if the job is admitted here -
+        nothing new once its script completed somewhere (``completing``)."""
         name = spec.name
         driver = self.drivers.get((name, cls.side))
         if driver is None and not cls.wanted(alloc, self.node.name):
@@ -376,6 +379,8 @@ class NodeAgent:
                     "failed", REFUSED, f"node {self.node.name} refused it: {refusal}",
                     self.clock()))
             return
+        if completing:
+            return  # its script completed somewhere: nothing is started or replaced
         if driver is None:
             driver = self.drivers[(name, cls.side)] = cls(spec, self.context)
         try:
