@@ -163,7 +163,8 @@ class DevicePool:
         return n
 
     def claim(self, owner: str) -> str:
-        """A free GPU, now held for ``owner``; DevicesBusy if none is free."""
+        """A free GPU, now held for ``owner`` (its job's name); DevicesBusy if none is
+        free."""
         for gpu in self.gpus:
             if gpu not in self._held:
                 fd = self._lock(gpu)

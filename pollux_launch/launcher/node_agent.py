@@ -330,8 +330,8 @@ class NodeAgent:
         if self.devices is None or not self._lease:
             return
         held: dict[str, list[str]] = {}
-        for gpu, owner in self.devices.owners().items():
-            held.setdefault(owner.partition("/")[0], []).append(gpu)
+        for gpu, job in self.devices.owners().items():
+            held.setdefault(job, []).append(gpu)
         order = {gpu: i for i, gpu in enumerate(self.node.gpus)}
         now = {job: tuple(sorted(g, key=order.__getitem__)) for job, g in held.items()}
         for job in sorted(set(now) | set(self._gpus_said)):

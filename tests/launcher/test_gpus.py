@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -106,7 +107,7 @@ def test_claims_are_exclusive_across_processes(tmp_path):
 @pytest.fixture
 def gpu_node(tmp_path, monkeypatch):
     """A real store and a node agent ``n1`` with 4 declared GPUs (claims under tmp_path)."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # (the claims' folder: this test's own)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (the claims: this test's own)
     url = f"embedded://{tmp_path / 'store.db'}"
     store = open_store(url)
     script = tmp_path / "recorder.py"
