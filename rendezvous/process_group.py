@@ -67,6 +67,10 @@ def form_group(backend: str, addr: str, port: int, rank: int, world_size: int, t
     """Destroy any current default group and initialise a new one (rank 0 passes the
     ``hosted`` store it published; the others connect to ``addr:port``)."""
     destroy_group()
+    # torch names a process's groups by a counter that only a successful group's destroy
+    # resets, and prefixes their store keys with it: after a failed init, this process
+    # would wait on other keys than its peers, for ever
+    dist.distributed_c10d._world.group_count = 0
     td = datetime.timedelta(seconds=timeout)
     store = hosted if hosted is not None else dist.TCPStore(
         addr, port, world_size, is_master=False, timeout=td)

@@ -248,6 +248,7 @@ class Rendezvous:
         self._keeper: KeepAlive | None = None
         self._lease = 0
         self._lease_lock = threading.Lock()
+        self._registered = threading.Event()  # a (new) lease was granted since the last look
         self._hosted: tuple[int, Any] | None = None  # (round, TCPStore) this worker hosts
         self._teardown: threading.Thread | None = None  # the old group being destroyed
         self._closed = False
@@ -332,6 +333,7 @@ class Rendezvous:
                     step = self._attempt(entered)
                 except LeaseExpired:  # our keys are gone: register again, then look again
                     self._ensure_lease(force=True)
+                    self._full_check()  # (maybe a new store: what we knew of the old is void)
                     continue
             except StoreUnavailable as exc:
                 if time.monotonic() - started > cfg.join_timeout:
@@ -403,6 +405,12 @@ class Rendezvous:
         r = ptr.round
         state_kv = snap.get(k.state(r))
         state = self._decode(RoundState, state_kv) if state_kv else None
+        if r > self._round and state is not None and self.worker in state.members:
+            # formed with this worker in it: its other members wait for us in the group's
+            # init, so join it even if a newer allocation came meanwhile (bumping past it
+            # would leave them blocked there for the collective timeout); the formed group
+            # sees the allocation at once and moves on at its next step
+            return state
         if alloc is not None and alloc.version > ptr.alloc_version:
             self._bump(ptr_kv, ptr, state, alloc.version, alloc.nodes, "allocation")
             return _AGAIN
@@ -632,6 +640,7 @@ class Rendezvous:
         rec = WorkerInfo(self.worker, self.node, self.addr, os.getpid(), time.time())
         self.store.put(self.keys.worker(self.worker), encode(rec), lease=self._lease)
         self._keeper = self.store.keep_alive(self._lease, self.config.lease_ttl / 3)
+        self._registered.set()  # (the watcher looks afresh: see _watch)
 
     def _watch(self, rev: int) -> None:
         """Thread: follow the job's keys and raise the rescale flag; never dies on store
@@ -642,6 +651,9 @@ class Rendezvous:
                 # a lost lease may mean a new, empty store, whose revisions start again:
                 # look afresh rather than wait for a revision it may not reach for long
                 need_full = self._ensure_lease() or need_full
+                if self._registered.is_set():  # registered again, maybe by the main thread
+                    self._registered.clear()
+                    need_full = True
                 if need_full:
                     rev = self._full_check()
                     need_full = False
@@ -699,8 +711,15 @@ class Rendezvous:
         workers = self.store.get_prefix(self.keys.workers)
         live = {kv.key for kv in workers}
         with self._lock:
+            # what the store holds now is the truth: a new, empty store's allocation and
+            # rounds count from 1 again, and a version remembered from the old one would
+            # raise the rescale flag at every step until the new one caught up
+            known, seen = self._latest_alloc, self._alloc_seen
+            self._latest_alloc = self._latest_round = self._alloc_size = 0
             for key, value in found.items():
                 self._on_event("put", key, value)
+            if self._latest_alloc == known:
+                self._alloc_seen = seen  # (the same allocation: its grow grace runs on)
             for kv in workers:
                 self._on_event("put", kv.key, kv.value)
             members = self.info.members if self.info else ()

@@ -8,6 +8,7 @@ Processes run in the root network namespace over loopback, or - given a ``host``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -156,8 +157,19 @@ class Cluster:
             if value:
                 return value
             time.sleep(0.25)
+        # what is still running, and where its workers stand (their faulthandler prints
+        # every thread's stack on SIGUSR1 into the agents' logs below)
+        left = []
+        for proc in self.workers_left():
+            with contextlib.suppress(psutil.Error):
+                left.append(f"pid {proc.pid} ({proc.status()}, parent {proc.ppid()}): "
+                            + " ".join(proc.cmdline()[:3]))
+                if proc.cmdline()[1:2] == [WORKER]:  # (not a launcher: SIGUSR1 would end it)
+                    proc.send_signal(signal.SIGUSR1)
+        if left:
+            time.sleep(2)
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.tmp.glob("*.log"))
-        raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        raise AssertionError(f"timed out waiting for {what}\nworkers left: {left}\n{logs}")
 
     def close(self) -> None:
         for proc in self.procs.values():

@@ -262,5 +262,9 @@ def test_etcd_wiped_the_job_goes_on(cluster):
     assert resumed - t_back < 20, resumed - t_back  # seconds, not a 300 s time-out
     assert "submitted it again" in cluster.log("wiped")
     _assert_finished_whole(cluster, "wiped", proc)
+    # the round put back, a repair, the adopting allocation's round - not a re-form at every
+    # step while the new store's allocation version is below the one the workers knew
+    assert max(s["round"] for s in cluster.steps()) <= 5, sorted({s["round"] for s in
+                                                                   cluster.steps()})
     assert len({s["pid"] for s in cluster.steps()}) == 2  # the same processes throughout
     assert "the store lost its state" in cluster.log("agent-n1")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pollux_launch.messages import Allocation, encode
+from pollux_launch.messages import Allocation, decode, encode
 from pollux_launch.rendezvous.process_group import InMemoryCommit, broadcast_state
 from pollux_launch.rendezvous.protocol import (
     Rendezvous,
@@ -19,7 +19,7 @@ from pollux_launch.rendezvous.protocol import (
     RendezvousTimeout,
     WorkerRemoved,
 )
-from pollux_launch.rendezvous.rounds import JobKeys
+from pollux_launch.rendezvous.rounds import JobKeys, RoundInfo
 from pollux_launch.rendezvous.store import open_store
 
 FAST = RendezvousConfig(lease_ttl=1.0, join_timeout=1.0, backend="gloo", addr="127.0.0.1",
@@ -58,6 +58,33 @@ def test_one_worker_job_forms_notices_a_new_version_and_leaves_cleanly(store):
             rdzv.next_round()
         assert not dist.is_initialized()
         assert store.get(JobKeys("solo").worker("w0")) is None  # lease revoked at once
+
+
+def test_a_member_joins_its_formed_round_even_after_a_newer_allocation(store):
+    """Rank 0 formed a round and waits in the group's init for the others; an allocation
+    written just then must not make another member bump past that round (rank 0 would
+    wait for it until the collective timeout: a 60 s stall seen after a store wipe)."""
+    _allocate(store, "race", 1, 2)
+    with Rendezvous(store, "race", "w0", node="local", config=FAST) as a, \
+            Rendezvous(store, "race", "w1", node="local", config=FAST) as b:
+        entered: dict[int, float] = {}
+        formed = None
+        for _ in range(20):  # both join round 1; w0, the first to join, closes it
+            for rdzv in (a, b):
+                step = rdzv._attempt(entered)
+                if not isinstance(step, str):
+                    formed = formed or (rdzv.worker, step)
+            if formed:
+                break
+        assert formed is not None, "round 1 never closed"
+        closer, state = formed
+        assert state.round == 1 and set(state.members) == {"w0", "w1"}
+        _allocate(store, "race", 2, 2)  # the coordinator moves on meanwhile
+        other = b if closer == "w0" else a
+        step = other._attempt({})
+        assert not isinstance(step, str) and step.round == 1, step  # joins, no new round
+        assert store.get(JobKeys("race").round) is not None
+        assert decode(RoundInfo, store.get(JobKeys("race").round).value).round == 1
 
 
 def test_round_that_never_fills_raises_one_clear_line(store):
