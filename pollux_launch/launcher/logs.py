@@ -15,22 +15,48 @@ at a random free port, advertised as ``NodeInfo.log_port`` in its node record::
                                                    X-Pollux-Offset: N + len(body),
                                                    X-Pollux-Size: the file's size now
 
-400 for a bad name or offset, 401 for a missing or wrong signature, 403 when refused
-(see below), 404 when the node has no such log, 414 for a long target, 503 when busy.
-Everything received is untrusted: names must be one key level (``keys.NAME``, not ``.``
-or ``..``), the resolved path must lie inside the log folder, a request carries at most
-one query field, at most ``MAX_CLIENTS`` requests run at once and a slow client is cut
-off after ``CLIENT_TIMEOUT`` seconds; an error is answered with a status, never raised.
+400 for a bad name or offset, 401 for a missing or wrong signature (with an
+``X-Pollux-Clock-Skew`` header when only the clocks differ, see below), 403 when refused
+(see below), 404 when the node has no such log, 414 for a long target or request line, 431
+for long headers, 429 when the client's address has too many requests open, 503 when busy
+(429 and 503 with ``Retry-After``). Everything received is untrusted: names must be one
+key level (``keys.NAME``, not ``.`` or ``..``), the resolved path must lie inside the log
+folder, a request carries at most one query field; an error is answered with a status,
+never raised.
+
+**Hostile clients.** Anyone who can connect may try to starve the server, so every resource
+a connection holds is bounded. One request per connection (HTTP/1.0). The request line and
+headers must all have come within ``CLIENT_TIMEOUT`` seconds of the connection's accept -
+one deadline, not restarted by each byte, so trickling a byte at a time buys nothing - and
+within ``MAX_HEADER_BYTES`` bytes (past that: 414 if the request line is not complete yet,
+else 431, then the connection is closed); a late request is closed without an answer (it has
+not said what it asks). The answer must be taken within ``REPLY_TIMEOUT`` seconds of its
+first byte, and the client's end of the connection is awaited ``LINGER`` seconds at most. At
+most ``MAX_CLIENTS`` connections are served at once and ``MAX_PER_PEER`` of them from one
+address; any other is answered at once from the accepting thread, 503 or 429 with
+``Retry-After``, with a ``REFUSE_TIMEOUT`` to send it (it fits a fresh socket's buffer) -
+never closed without a word. So one host holds at most ``MAX_PER_PEER`` slots, each for
+``CLIENT_TIMEOUT`` (reading) + ``REPLY_TIMEOUT`` (writing) + ``LINGER`` seconds at most, the
+others still get theirs, and a server thread is never held for ever. That is why the
+standard library's threaded server is enough here: the requests are few, small and
+read-only, a thread per admitted connection is bounded by ``MAX_CLIENTS``, and everything a
+client controls (time, bytes, connections) has a limit. It does not stand against a flood
+from many addresses at once (``MAX_CLIENTS / MAX_PER_PEER`` hosts can keep it busy, answered
+503): that needs the network kept to those trusted, as below.
 
 **Authentication.** With a cluster secret (``--secret-file`` or ``$POLLUX_SECRET``) every
-request carries ``X-Pollux-Auth: <unix time>:<hex HMAC-SHA256>`` over
-``pollux-logs/1``, the method, the node's advertised ``address:port``, the request target
-(path and query) and that time; the agent accepts it within ``CLOCK_WINDOW`` seconds of its
-own clock and compares in constant time. Binding the node's address and port means a
-signature sent to a node record someone forged in the store cannot be replayed to a real
-node. The secret never appears in a URL, a log line, an argument or the store; replies
-are not encrypted (plain HTTP: run it on a network you trust, as the workers' own gloo
-and NCCL traffic already must be).
+request carries ``X-Pollux-Auth: <unix time>:<hex HMAC-SHA256>`` over ``pollux-logs/1``, the
+method, the node's advertised ``address:port``, the request target (path and query) and that
+time; the agent accepts it within ``CLOCK_WINDOW`` seconds of its own clock and compares in
+constant time. A signature whose MAC is right for its time but whose time lies outside that
+window gets a 401 that says so - the clocks differ, the node's time and the request's, and
+``X-Pollux-Clock-Skew: <the node's time - the request's, whole seconds>`` - as the right MAC
+proves the secret and the node's time is no secret; a wrong MAC gets the same 401 as no
+signature. The follower names the difference ("sync the clocks"). Binding the node's address
+and port means a signature sent to a node record someone forged in the store cannot be
+replayed to a real node. The secret never appears in a URL, a log line, an argument or the
+store; replies are not encrypted (plain HTTP: run it on a network you trust, as the workers'
+own gloo and NCCL traffic already must be).
 *Without a cluster secret* an agent serves its logs to clients on its own machine
 (loopback) only, and refuses others with 403: such a cluster runs whatever is in the
 store, but the logs would otherwise be open to anyone who can reach the port, not just
@@ -52,6 +78,7 @@ import contextlib
 import hashlib
 import hmac
 import http.client
+import io
 import ipaddress
 import logging
 import os
@@ -61,9 +88,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 from urllib.parse import parse_qs, urlsplit
 
 from .. import keys
@@ -77,9 +105,17 @@ MAX_CHUNK = 1 << 20  # bytes per reply
 MAX_LOG_BYTES = 1 << 30  # per job and submission on one node: a runaway job fills no disk
 MAX_TARGET = 1024  # characters of a request target (two names, an offset)
 MAX_CLIENTS = 32  # requests served at once
-CLIENT_TIMEOUT = 10.0  # seconds a client may take to send its request
+MAX_PER_PEER = 8  # of them from one address: one flooding host cannot take every slot
+CLIENT_TIMEOUT = 10.0  # seconds from the accept for the whole request line and headers
+MAX_HEADER_BYTES = 8 << 10  # the request line and headers together
+REPLY_TIMEOUT = 30.0  # seconds a client may take to receive its answer (MAX_CHUNK bytes)
+LINGER = 1.0  # seconds to wait for the client's end after the answer (see _close)
+REFUSE_TIMEOUT = 0.5  # seconds to send a 503/429 (from the accepting thread)
+RETRY_AFTER = 1  # seconds, said with a 503/429
+BACKLOG = 128  # connections the kernel queues for accept: a burst waits, is not dropped
 CLOCK_WINDOW = 60.0  # seconds a signature's time may differ from the agent's clock
 AUTH_HEADER, OFFSET_HEADER, SIZE_HEADER = "X-Pollux-Auth", "X-Pollux-Offset", "X-Pollux-Size"
+SKEW_HEADER = "X-Pollux-Clock-Skew"  # with a 401: node's time - request's stamp, seconds
 MAX_LINE = 1 << 20  # a longer run without a newline is printed as a line of its own
 FETCH_TIMEOUT = 5.0  # seconds per request to a node
 NODES_EVERY = 2.0  # seconds between reads of the node records
@@ -169,38 +205,123 @@ def sign_request(secret: bytes, method: str, address: str, port: int, target: st
     return f"{stamp}:{_mac(secret, method, f'{address}:{port}', target, stamp)}"
 
 
-def check_request(secret: bytes, header: str | None, method: str, address: str, port: int,
-                  target: str, now: float) -> bool:
+def verify_request(secret: bytes, header: str | None, method: str, address: str, port: int,
+                   target: str, now: float) -> tuple[bool, int | None]:
+    """(valid, skew): ``skew`` (``now`` - the stamp, whole seconds) only when the MAC is
+    right for its stamp but the stamp lies outside ``CLOCK_WINDOW``: the sender holds the
+    secret and its clock is off, which may then be said."""
     if not header or len(header) > 100:
-        return False
+        return False, None
     stamp, _, mac = header.partition(":")
-    if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 12) \
-            or abs(int(stamp) - now) > CLOCK_WINDOW:
-        return False
-    return hmac.compare_digest(_mac(secret, method, f"{address}:{port}", target, stamp),
-                               mac)
+    if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 12 and mac.isascii()):
+        return False, None  # (compare_digest refuses non-ASCII text)
+    if not hmac.compare_digest(_mac(secret, method, f"{address}:{port}", target, stamp), mac):
+        return False, None
+    skew = now - int(stamp)
+    if abs(skew) > CLOCK_WINDOW:
+        return False, round(skew)
+    return True, None
 
 
 # -- the server ------------------------------------------------------------------------
 class _Reply(Exception):
     """An answer other than the log's bytes."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+class _TooLarge(Exception):
+    """The request line and headers passed ``MAX_HEADER_BYTES``."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's reading side with one deadline for the whole request: each receive
+    waits only for the time left (a plain socket timeout restarts with every byte, so a
+    client trickling one byte at a time would hold its slot for ever), and at most
+    ``limit`` bytes are read."""
+
+    def __init__(self, sock: socket.socket, deadline: float, limit: int) -> None:
+        self.sock, self.deadline, self.left = sock, deadline, limit
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        wait = self.deadline - time.monotonic()
+        if wait <= 0:
+            raise TimeoutError("the request did not come in time")
+        if self.left <= 0:
+            raise _TooLarge
+        self.sock.settimeout(wait)
+        n = self.sock.recv_into(buffer, min(len(buffer), self.left))
+        self.left -= n
+        return n
+
+
+class _DeadlineWriter(io.RawIOBase):
+    """A connection's writing side: the whole answer must be taken within ``seconds`` of
+    its first byte, so a client that never reads holds its slot that long at most."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.sock, self.seconds = sock, seconds
+        self.deadline: float | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.seconds
+        if now >= self.deadline:
+            raise TimeoutError("the answer was not taken in time")
+        self.sock.settimeout(self.deadline - now)
+        self.sock.sendall(data)
+        return len(data)
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """One request per connection (HTTP/1.0: no keep-alive), read under a deadline from
+    the connection's accept and a size cap, answered under a deadline."""
+
     server: _HTTPServer
-    timeout = CLIENT_TIMEOUT
     server_version = "pollux-logs"
     sys_version = ""
+
+    def __init__(self, request: socket.socket, client_address: Any, server: _HTTPServer,
+                 accepted: float) -> None:
+        self.accepted = accepted
+        super().__init__(request, client_address, server)
+
+    def setup(self) -> None:
+        self.connection = self.request
+        self.rfile = io.BufferedReader(_DeadlineReader(
+            self.request, self.accepted + CLIENT_TIMEOUT, MAX_HEADER_BYTES))
+        self.wfile = _DeadlineWriter(self.request, REPLY_TIMEOUT)
+
+    def handle_one_request(self) -> None:
+        # (what log_request and send_response need, should the request line never come)
+        self.raw_requestline, self.requestline, self.command = b"", "", ""
+        self.request_version = "HTTP/1.0"
+        try:
+            super().handle_one_request()  # (a deadline passed: TimeoutError, closed there)
+        except _TooLarge:
+            self.close_connection = True
+            self.request_version = "HTTP/1.0"  # (never 0.9: the status line must go out)
+            status, what = (431, "request header fields") if self.raw_requestline \
+                else (414, "request line")
+            with contextlib.suppress(OSError):
+                self._send(status, f"{what} too long: at most {MAX_HEADER_BYTES} bytes in "
+                           "all\n".encode(), {})
 
     def do_GET(self) -> None:
         try:
             offset, data, size = self.server.logs.read(self)
         except _Reply as reply:
-            self._send(reply.status, (reply.message + "\n").encode(), {})
+            self._send(reply.status, (reply.message + "\n").encode(), reply.headers)
             return
         except Exception:  # a bug must answer this request only, never stop the agent
             log.warning("log request %r failed", self.path[:200], exc_info=True)
@@ -212,6 +333,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
         for key, value in headers.items():
             self.send_header(key, value)
         self.end_headers()
@@ -222,35 +344,122 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """Accepts in one thread and serves each admitted connection in a thread of its own:
+    at most ``MAX_CLIENTS`` at once, ``MAX_PER_PEER`` of them from one address. Others
+    are answered 503 (busy) or 429 (that address has too many) at once, from the
+    accepting thread, never silently closed."""
+
     daemon_threads = True
+    request_queue_size = BACKLOG
     logs: LogServer
 
     def __init__(self, address: tuple[str, int], logs: LogServer) -> None:
         self.logs = logs
-        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self._lock = threading.Lock()  # (admitted in the accepting thread, released in each)
+        self._busy = 0
+        self._peers: dict[str, int] = {}
+        self._refused, self._refused_said = 0, 0.0
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
+        super().__init__(address, _Handler)  # type: ignore[arg-type]
 
     def process_request(self, request, client_address) -> None:  # type: ignore[override]
-        if not self._slots.acquire(blocking=False):  # too many at once: drop this one
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
+        accepted, peer = time.monotonic(), client_address[0]
+        with self._lock:
+            if self._peers.get(peer, 0) >= MAX_PER_PEER:
+                refusal = (429, f"too many requests from {peer} at once (at most "
+                                f"{MAX_PER_PEER}); try again in {RETRY_AFTER} s")
+            elif self._busy >= MAX_CLIENTS:
+                refusal = (503, f"busy ({MAX_CLIENTS} requests at once); try again in "
+                                f"{RETRY_AFTER} s")
+            else:
+                refusal = None
+                self._busy += 1
+                self._peers[peer] = self._peers.get(peer, 0) + 1
+        if refusal is None:
+            try:
+                threading.Thread(target=self._serve, args=(request, client_address, accepted),
+                                 name="log-request", daemon=True).start()
+                return
+            except RuntimeError:  # no thread to be had
+                self._release(peer)
+                refusal = (503, f"busy; try again in {RETRY_AFTER} s")
+        self._refuse(request, peer, *refusal)
 
-    def process_request_thread(self, request, client_address) -> None:  # type: ignore[override]
+    def _serve(self, request: socket.socket, client_address: Any, accepted: float) -> None:
         try:
-            super().process_request_thread(request, client_address)
+            _Handler(request, client_address, self, accepted)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
-            self._slots.release()
+            self._close(request)
+            self._release(client_address[0])
+
+    def _release(self, peer: str) -> None:
+        with self._lock:
+            self._busy -= 1
+            left = self._peers.pop(peer) - 1
+            if left:
+                self._peers[peer] = left
+
+    def _refuse(self, request: socket.socket, peer: str, status: int, message: str) -> None:
+        body = (message + "\n").encode()
+        head = (f"HTTP/1.0 {status} {HTTPStatus(status).phrase}\r\n"
+                "Content-Type: text/plain; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: {RETRY_AFTER}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        try:
+            request.settimeout(REFUSE_TIMEOUT)  # (a few bytes: a fresh socket's buffer takes them)
+            _discard(request)
+            request.sendall(head + body)
+            request.shutdown(socket.SHUT_WR)
+            _discard(request)
+        except OSError:
+            pass
+        finally:
+            request.close()
+        now = time.monotonic()
+        self._refused += 1
+        if now - self._refused_said >= 60:  # said once a minute at most, however many
+            log.warning("job log server: %d request(s) refused as busy or too many from "
+                        "one address since the last such line (the latest from %s: %d)",
+                        self._refused, peer, status)
+            self._refused, self._refused_said = 0, now
+
+    @staticmethod
+    def _close(request: socket.socket) -> None:
+        """End a served connection: the answer's end (FIN), then what the client still
+        sends is read and dropped for up to ``LINGER`` seconds, until it hangs up: closing
+        on unread bytes resets the connection, and a reset may discard the answer before
+        the client reads it (e.g. after a 431)."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            end = time.monotonic() + LINGER
+            while (wait := end - time.monotonic()) > 0:
+                request.settimeout(wait)
+                if not request.recv(1 << 16):
+                    break
+        except OSError:
+            pass
+        finally:
+            request.close()
 
     def handle_error(self, request, client_address) -> None:  # type: ignore[override]
         # a client that went away mid-reply, or a bug in one request: never the agent's end
         log.debug("log request from %s failed", client_address[0], exc_info=True)
+
+
+def _discard(sock: socket.socket, most: int = 1 << 16) -> None:
+    """Read and drop what has come on ``sock`` (up to ``most`` bytes) without waiting."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)  # (with a timeout set, recv waits for data first, even DONTWAIT)
+    try:
+        while most > 0 and (data := sock.recv(min(most, 1 << 14))):
+            most -= len(data)
+    except OSError:  # (BlockingIOError: nothing more has come)
+        pass
+    finally:
+        sock.settimeout(timeout)
 
 
 class LogServer:
@@ -319,8 +528,15 @@ class LogServer:
                              "machine only")
             return
         header = request.headers.get(AUTH_HEADER)
-        if not check_request(self.secret, header, request.command, self.address, self.port,
-                             target, self.clock()):
+        now = self.clock()
+        valid, skew = verify_request(self.secret, header, request.command, self.address,
+                                     self.port, target, now)
+        if skew is not None:  # the MAC proves the secret: saying the skew leaks nothing
+            stamp = (header or "").partition(":")[0]
+            raise _Reply(401, f"the clocks differ: this node's time is {int(now)}, the "
+                         f"request's stamp {stamp} ({abs(skew)} s apart, more than "
+                         f"{CLOCK_WINDOW:g}); sync them (NTP)", {SKEW_HEADER: str(skew)})
+        if not valid:
             raise _Reply(401, "missing, wrong or stale signature")
 
     @staticmethod
@@ -355,6 +571,16 @@ def serve_logs(log_dir: str | os.PathLike, node: NodeInfo,
 
 
 # -- the client ------------------------------------------------------------------------
+def _skew(value: str | None) -> int | None:
+    """A ``SKEW_HEADER`` value (untrusted: None unless a plain whole number)."""
+    if value is None:
+        return None
+    digits = value.strip().removeprefix("-")
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 12):
+        return None
+    return int(value)
+
+
 @dataclass
 class _Source:
     """One node's log of the job, as far as it was printed."""
@@ -441,7 +667,7 @@ class LogFollower:
             conn.request("GET", target, headers=headers)
             reply = conn.getresponse()
             body = reply.read(MAX_CHUNK + 1)
-            status = reply.status
+            status, skew = reply.status, _skew(reply.getheader(SKEW_HEADER))
             reason = "".join(c for c in body[:200].decode("utf-8", "replace")
                              if c.isprintable()).strip()  # (what a node says is untrusted)
         except (OSError, http.client.HTTPException) as exc:
@@ -451,6 +677,12 @@ class LogFollower:
             conn.close()
         if status == 404:  # none there (yet)
             src.next_ask, src.said = time.monotonic() + ABSENT_EVERY, ""
+            return b""
+        if status == 401 and skew is not None:  # the right secret, a clock off
+            ahead = "the node's is ahead" if skew > 0 else "this machine's is ahead"
+            self._problem(node, src, f"refused the log (401: this machine's clock and the "
+                          f"node's differ by {abs(skew)} s ({ahead}); sync them (NTP))",
+                          said="401 clock skew")  # (said once, however the skew wobbles)
             return b""
         if status != 200:
             why = {401: "the cluster secret is needed and must match the node's "
@@ -466,10 +698,12 @@ class LogFollower:
         src.offset += len(body)
         return body
 
-    def _problem(self, node: NodeInfo, src: _Source, what: str) -> None:
+    def _problem(self, node: NodeInfo, src: _Source, what: str, said: str = "") -> None:
+        """Say ``what`` unless the last problem said was the same (``said``: what counts
+        as the same, default ``what``)."""
         src.next_ask = time.monotonic() + ABSENT_EVERY
-        if src.said != what:
-            src.said = what
+        if src.said != (said or what):
+            src.said = said or what
             self._say(f"node {node.name}: {what}")
 
     def _say(self, what: str) -> None:

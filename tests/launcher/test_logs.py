@@ -4,8 +4,10 @@ HTTP server (authentication, hostile requests, offset reads), the follower and
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
+import re
 import socket
 import sys
 import threading
@@ -17,11 +19,14 @@ import pytest
 
 from pollux_launch import keys
 from pollux_launch.cli import main
+from pollux_launch.launcher import logs as logs_module
 from pollux_launch.launcher.logs import (
     AUTH_HEADER,
     MAX_CHUNK,
+    MAX_HEADER_BYTES,
     OFFSET_HEADER,
     SIZE_HEADER,
+    SKEW_HEADER,
     LogFollower,
     LogServer,
     LogSink,
@@ -53,16 +58,19 @@ def server(tmp_path):
 
 
 def get(server: LogServer, target: str, secret: bytes | None = SECRET, *, now: float | None = None,
-        port: int | None = None, method: str = "GET", header: str | None = None):
+        port: int | None = None, method: str = "GET", header: str | None = None,
+        source: str | None = None):
     """(status, headers, body) of one request; signed with ``secret`` unless None
-    (``port``: the port the signature names, default the server's)."""
+    (``port``: the port the signature names, default the server's; ``source``: the
+    address to send from)."""
     headers = {}
     if header is not None:
         headers[AUTH_HEADER] = header
     elif secret is not None:
         headers[AUTH_HEADER] = sign_request(secret, method, "127.0.0.1", port or server.port,
                                             target, time.time() if now is None else now)
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10,
+                                      source_address=(source, 0) if source else None)
     try:
         conn.request(method, target, headers=headers)
         reply = conn.getresponse()
@@ -364,3 +372,208 @@ def test_pollux_run_logs(tmp_path, cluster_store, capsys, monkeypatch):
         capsys.readouterr()
     finally:
         server.stop()
+
+
+# -- hostile clients: slow, large, many, a clock off -------------------------------------
+FLOODER = "127.0.0.2"  # a loopback address of its own: another peer to the server
+
+
+def _connect(server: LogServer, source: str = FLOODER, rcvbuf: int = 0) -> socket.socket:
+    sock = socket.socket()
+    try:
+        if rcvbuf:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.bind((source, 0))
+    except OSError:
+        sock.close()
+        pytest.skip(f"this machine cannot send from {source}")
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", server.port))
+    return sock
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """All the server sends until it hangs up."""
+    chunks = []
+    while data := sock.recv(1 << 16):
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+def _raw(server: LogServer, data: bytes, source: str = "127.0.0.1") -> bytes:
+    with _connect(server, source) as sock:
+        sock.sendall(data)
+        return _answer(sock)
+
+
+def _until_admitted(server: LogServer, target: str, source: str | None = None) -> int:
+    """Ask until the answer is other than 503 or 429 (slots come back asynchronously);
+    the last status."""
+    deadline = time.monotonic() + 60
+    while (status := get(server, target, source=source)[0]) in (503, 429) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return status
+
+
+def test_slow_clients_are_cut_off_and_starve_no_one(server, monkeypatch):
+    monkeypatch.setattr(logs_module, "CLIENT_TIMEOUT", 2.0)
+    _write(server.root, "still served\n")
+    target = f"/logs/{JOB}/{SUB}"
+    request = f"GET {target} HTTP/1.0\r\nX-Slow: ".encode() + b"a" * 100  # never ends
+    slow, opened = [], []
+    for _ in range(40):
+        slow.append(_connect(server))
+        opened.append(time.monotonic())
+    ended: dict[int, tuple[float, bytes]] = {}  # slow client -> (seconds it lasted, answer)
+
+    def trickle() -> None:  # one byte each every 0.5 s, as long as the server listens
+        for sock in slow:
+            sock.setblocking(False)  # (a recv only looks)
+        for i in range(len(request)):
+            for n, sock in enumerate(slow):
+                if n in ended:
+                    continue
+                try:
+                    data: bytes | None = sock.recv(1 << 16)
+                except BlockingIOError:
+                    data = None
+                except OSError:
+                    data = b""
+                if data is None:
+                    with contextlib.suppress(OSError):
+                        sock.send(request[i:i + 1])
+                        continue
+                    data = b""
+                ended[n] = (time.monotonic() - opened[n], data)  # the server let go
+            if len(ended) == len(slow):
+                return
+            time.sleep(0.5)
+
+    flood = threading.Thread(target=trickle, daemon=True)
+    flood.start()
+    try:
+        probes = []
+        while flood.is_alive() and len(probes) < 20:  # from another address, meanwhile
+            probes.append(get(server, target)[::2])
+            time.sleep(0.2)
+        flood.join(timeout=120)
+    finally:
+        for sock in slow:
+            sock.close()
+    assert len(probes) >= 3 and set(probes) == {(200, b"still served\n")}
+    # every slow client was let go while it still sent: those over the per-peer limit at
+    # once with a 429, the others (at most MAX_PER_PEER) with no answer at the deadline
+    assert len(ended) == len(slow), "slow clients kept their connections"
+    refused = [d for _, d in ended.values() if d.startswith(b"HTTP/1.0 429 ")]
+    cut = [t for t, d in ended.values() if d == b""]
+    assert len(refused) + len(cut) == len(slow)
+    assert 1 <= len(cut) <= logs_module.MAX_PER_PEER
+    assert min(cut) >= 0.9 * logs_module.CLIENT_TIMEOUT  # the deadline, not something else
+
+
+def test_oversized_requests_are_refused(server):
+    _write(server.root, "line\n")
+    target = f"/logs/{JOB}/{SUB}"
+    signed = (f"GET {target} HTTP/1.0\r\n{AUTH_HEADER}: "
+              f"{sign_request(SECRET, 'GET', '127.0.0.1', server.port, target, time.time())}"
+              "\r\n").encode()
+    one_long = signed + b"X-Big: " + b"a" * (2 * MAX_HEADER_BYTES) + b"\r\n\r\n"
+    assert _raw(server, one_long).startswith(b"HTTP/1.0 431 ")
+    many_short = signed + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 200) for i in range(60)) \
+        + b"\r\n"  # (each line short, fewer than the standard library's 100 headers)
+    assert _raw(server, many_short).startswith(b"HTTP/1.0 431 ")
+    long_line = b"GET /logs/" + b"a" * (2 * MAX_HEADER_BYTES) + b" HTTP/1.0\r\n\r\n"
+    assert _raw(server, long_line).startswith(b"HTTP/1.0 414 ")
+    padded = signed + b"X-Pad: " + b"a" * (MAX_HEADER_BYTES // 2) + b"\r\n\r\n"
+    answer = _raw(server, padded)  # under the cap, padding and all
+    assert answer.startswith(b"HTTP/1.0 200 ") and answer.endswith(b"\r\n\r\nline\n")
+
+
+def test_a_busy_server_answers_503_and_frees_its_slots(server, monkeypatch):
+    monkeypatch.setattr(logs_module, "MAX_CLIENTS", 2)
+    monkeypatch.setattr(logs_module, "CLIENT_TIMEOUT", 3.0)
+    _write(server.root, "line\n")
+    target = f"/logs/{JOB}/{SUB}"
+    # two idle connections from two addresses (the per-peer limit is not what answers)
+    idle = [_connect(server, "127.0.0.2"), _connect(server, "127.0.0.3")]
+    try:
+        status, headers, body = get(server, target)  # (accepted after them)
+        assert status == 503 and headers["Retry-After"].isdigit() and b"busy" in body
+        for sock in idle:  # not a byte sent: cut off at the deadline, without an answer
+            assert _answer(sock) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+    assert _until_admitted(server, target) == 200
+
+
+def test_one_address_gets_at_most_max_per_peer_connections(server, monkeypatch):
+    monkeypatch.setattr(logs_module, "CLIENT_TIMEOUT", 60.0)  # (held for the whole test)
+    _write(server.root, "line\n")
+    target = f"/logs/{JOB}/{SUB}"
+    held = [_connect(server) for _ in range(logs_module.MAX_PER_PEER)]
+    try:
+        status, headers, body = get(server, target, source=FLOODER)
+        assert status == 429 and headers["Retry-After"].isdigit() and FLOODER.encode() in body
+        assert get(server, target)[::2] == (200, b"line\n")  # others are served meanwhile
+    finally:
+        for sock in held:
+            sock.close()
+    assert _until_admitted(server, target, source=FLOODER) == 200  # hung up: slots back
+
+
+def test_a_client_that_never_reads_does_not_keep_its_slot(server, monkeypatch):
+    try:  # an answer larger than the kernel buffers the sending side at most
+        buffered = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        buffered = 4 << 20
+    monkeypatch.setattr(logs_module, "MAX_CHUNK", 2 * buffered + (1 << 20))
+    monkeypatch.setattr(logs_module, "MAX_CLIENTS", 1)
+    monkeypatch.setattr(logs_module, "REPLY_TIMEOUT", 1.0)
+    _write(server.root, "x" * logs_module.MAX_CHUNK, sub="big")
+    target = f"/logs/{JOB}/big"
+    stamp = sign_request(SECRET, "GET", "127.0.0.1", server.port, target, time.time())
+    with _connect(server, rcvbuf=4096) as sock:  # (and a small window)
+        sock.sendall(f"GET {target} HTTP/1.0\r\n{AUTH_HEADER}: {stamp}\r\n\r\n".encode())
+        assert _until_admitted(server, f"/logs/{JOB}/{SUB}") == 404  # (no such log: answered)
+
+
+def test_a_clock_off_by_more_than_the_window_is_said(server):
+    _write(server.root, "line\n")
+    target = f"/logs/{JOB}/{SUB}"
+    for off in (-120, 120):
+        status, headers, body = get(server, target, now=time.time() + off)
+        assert status == 401 and b"clocks differ" in body and b"line" not in body
+        assert abs(int(headers[SKEW_HEADER]) + off) <= 1  # the node's time - the stamp
+    # a wrong secret proves nothing: the same 401 as ever, whatever its clock
+    for off in (0, -120):
+        status, headers, body = get(server, target, secret=b"another secret",
+                                    now=time.time() + off)
+        assert status == 401 and SKEW_HEADER not in headers and b"clock" not in body
+
+
+def test_the_follower_names_the_clock_difference(tmp_path, cluster_store):
+    _, store = cluster_store
+    ahead = LogServer(tmp_path / "logs", "127.0.0.1", SECRET, clock=lambda: time.time() + 95)
+    ahead.start()
+    try:
+        _register(store, "n1", ahead)
+        _write(ahead.root, "[0]<stdout>:not yet\n")
+        out, err = io.StringIO(), io.StringIO()
+        follower = LogFollower(store, JOB, SUB, SECRET, out, err=err)
+        for _ in range(2):
+            follower.poll(force=True)
+            follower.sources["n1"].next_ask = 0.0  # (ask again at once)
+        assert out.getvalue() == ""
+        said = err.getvalue()
+        assert said.count("\n") == 1, said  # said once
+        assert re.search(r"node n1: refused the log \(401: this machine's clock and the node's "
+                         r"differ by 9[56] s \(the node's is ahead\); sync them \(NTP\)\)$",
+                         said.strip()), said
+        wrong = io.StringIO()
+        LogFollower(store, JOB, SUB, b"wrong", io.StringIO(), err=wrong).poll(force=True)
+        assert "cluster secret is needed" in wrong.getvalue()
+        assert "clock" not in wrong.getvalue()
+    finally:
+        ahead.stop()
