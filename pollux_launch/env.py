@@ -25,6 +25,10 @@ STORE_PASSWORD_FILE = "POLLUX_STORE_PASSWORD_FILE"
 JOB = "POLLUX_JOB"  # the job's name
 NODE = "POLLUX_NODE"  # the node this worker runs on
 WORKER_ID = "POLLUX_WORKER_ID"  # this worker's id, unique in the job
+# A random value its node agent gives each worker process (launcher/workers.py): it marks
+# the worker's rank announcements on its stdout/stderr (output_marks.py) and tags
+# the processes the worker starts, which inherit it (launcher/proctree.py)
+WORKER_TOKEN = "POLLUX_WORKER_TOKEN"
 ADDR = "POLLUX_ADDR"  # the address peers reach this node at (its agent's --address)
 EXIT_FILE = "POLLUX_EXIT_FILE"  # where the worker tells its agent why it is leaving
 EXIT_DEPARTED = "departed"  # ...written there: a round formed without it (not completion)

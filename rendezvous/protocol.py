@@ -60,6 +60,7 @@ from pollux_launch.messages import (
     decode,
     encode,
 )
+from pollux_launch.output_marks import announce_rank
 
 from .network import transport_env
 from .process_group import Group, default_backend, destroy_group, form_group, host_store, vote_any
@@ -557,6 +558,9 @@ class Rendezvous:
             self._round, self._rank = state.round, rank
             self._flag.clear()
             self._update_flag()
+        # what it prints from here on is this rank's: a marker its node agent's output
+        # pump reads (nothing without an agent)
+        announce_rank(rank)
         return info
 
     def _bump(self, ptr_kv: KeyValue | None, ptr: RoundInfo | None, state: RoundState | None,

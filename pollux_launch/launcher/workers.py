@@ -1,35 +1,66 @@
 """Worker processes of one job on one node: start, prefix their output, reap, stop.
 
-Output is prefixed like horovodrun's (``[3]<stdout>:line``) with the worker's rank (the
-``label`` its driver starts it with: the rank it starts in; its start order on this node
-where a driver knows no rank), and optionally also written to
-``<output_dir>/<job>/rank.<label>/``.
+Output is prefixed like horovodrun's (``[3]<stdout>:line``) with the worker's rank: the
+``label`` its driver starts it with (the rank it starts in; its start order on this node
+where a driver knows no rank), then the rank of each group it forms, which the worker
+announces in-band at the point of its output where it changes (``pollux_launch/output_marks.py``);
+the pump then says ``[pollux] worker W is now rank R (was Q)`` once. Optionally its
+output is also written, as printed (unprefixed), to ``<output_dir>/<job>/rank.<label>/``
+``stdout`` and ``stderr``: named by its *start* label for its whole life (one worker,
+one folder: two workers whose ranks swap never write one file), with that same line
+where its rank changed.
+
+The pumps read each pipe in binary chunks of ``CHUNK`` bytes and split lines themselves
+(``\\r\\n`` and ``\\r`` read as ``\\n``, as a text pipe's universal newlines did; UTF-8,
+undecodable bytes replaced): a run without a newline is printed in pieces, each a line of
+its own that fits ``logs.MAX_LINE`` with its prefix (so a follower never cuts it again),
+cut between characters. A pump holds at most about ``MAX_LINE + CHUNK`` bytes, whatever a
+worker writes.
 
 A worker's end is classified by :func:`classify_exit`: exit 0 while its replica is still
 allocated means the training script finished; exit 0 after its replica was removed is a
 clean departure from a rescale; death by a signal means the worker was lost (the job's
 survivors go on); any other exit code means the script failed.
+
+A worker's processes (``proctree.py``: its process group and session, its cgroup where
+the machine allows one, and those carrying its ``WORKER_TOKEN``) are stopped together:
+see :meth:`WorkerGroup.stop`, and :meth:`WorkerGroup.reap` for those that outlive it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
 from .. import env as envvars
+from ..output_marks import MAX_MARK, find_mark
 from .devices import DevicePool, DevicesBusy, worker_env
-from .logs import LogSink
+from .logs import MAX_LINE, LogSink
+from .proctree import ProcTree, WorkerCgroup, describe, snapshot
 from .spawn import dying_with_parent
 
+log = logging.getLogger(__name__)
+
 ExitKind = Literal["finished", "departed", "lost", "failed"]
+CHUNK = 1 << 16  # bytes a pump reads from a pipe at once
+POLL = 0.05  # seconds between looks while stop() waits
+KILL_WAIT = 10.0  # seconds stop() waits for SIGKILLed processes to be gone
+LINGER_EVERY = 5.0  # seconds between looks at what ended workers left running
+# ... and how long after its end a worker's leftovers are said in the log (not those that
+# end a moment after it: multiprocessing's resource tracker, say)
+LINGER_FIRST = 2.0
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
 
 
 def classify_exit(returncode: int, still_allocated: bool) -> ExitKind:
@@ -40,15 +71,25 @@ def classify_exit(returncode: int, still_allocated: bool) -> ExitKind:
     return "failed"
 
 
-@dataclass
+@dataclass(eq=False)  # (one worker is one process: compared by identity)
 class Worker:
     index: int
     worker_id: str
     proc: subprocess.Popen
-    label: str = ""  # what its output lines are prefixed with (its rank)
+    tree: ProcTree  # its processes (proctree.py)
+    label: str = ""  # what its output lines are prefixed with: its rank, as last announced
     gpus: tuple[str, ...] = ()  # the GPU(s) it holds until reaped (devices.py)
     ended_at: float | None = None  # when its output ended: (about) when it exited
     threads: list[threading.Thread] = field(default_factory=list)
+    token: str = ""  # its WORKER_TOKEN (output_marks.py, proctree.py)
+    start_label: str = ""  # its label at start: names its output_dir folder
+    mark_seq: int = 0  # the last rank announcement acted on (output_marks.py)
+    stopping: bool = False  # signalled to end: ended only once its process group has
+    reaped_at: float | None = None  # (monotonic) when it was reaped with processes left
+    warned: bool = False  # those were named in the log
+
+    def __post_init__(self) -> None:
+        self.start_label = self.start_label or self.label
 
     @property
     def pid(self) -> int:
@@ -56,6 +97,86 @@ class Worker:
 
     def poll(self) -> int | None:
         return self.proc.poll()
+
+
+@dataclass
+class _Stream:
+    """One pump's state: which of the worker's streams, the label of its lines now, its
+    copy under output_dir."""
+
+    name: str
+    label: str
+    copy: IO[str] | None = None
+    midline: bool = False  # the copy's last write ended without a newline
+
+
+class _Lines:
+    """One stream's bytes in, its lines out: ``(text, newline, mark)`` - the text of a line
+    (decoded, without its newline) and whether it had one; or, for a line that is this
+    worker's rank marker (``token``), ``mark`` = (seq, rank) and as text what the line
+    held before it (printed without a newline: "" if nothing). ``\\r\\n`` and ``\\r`` end
+    a line as ``\\n`` does; a run without any is cut into pieces of at most ``limit``
+    bytes, never through a UTF-8 character nor through what may be a marker, so that at
+    most ``limit + CHUNK`` bytes are ever held."""
+
+    def __init__(self, limit: int, token: bytes) -> None:
+        self.limit, self.token = limit, token
+        self.buf = bytearray()
+        self.cr = False  # the last chunk ended with \r: a \n first in the next is its own
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[str, bool, tuple[int, int] | None]]:
+        if self.cr:
+            chunk = b"\r" + chunk
+        self.cr = chunk.endswith(b"\r")
+        if self.cr:
+            chunk = chunk[:-1]
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        buf = self.buf
+        buf += chunk
+        start = 0
+        while (end := buf.find(b"\n", start)) >= 0:
+            found = None
+            if self.token and buf.find(b"\x1e", start, end) >= 0:
+                found = find_mark(bytes(buf[start:end]), self.token)
+            if found is None:
+                yield _decode(buf, start, end), True, None
+            else:
+                at, seq, rank = found
+                yield _decode(buf, start, start + at), False, (seq, rank)
+            start = end + 1
+        del buf[:start]  # (cheap: a bytearray drops its head in place)
+        while len(buf) > self.limit:  # (self.limit may change with the label meanwhile)
+            cut = _cut(buf, self.limit)
+            yield _decode(buf, 0, cut), False, None
+            del buf[:cut]
+
+    def end(self) -> Iterator[tuple[str, bool, tuple[int, int] | None]]:
+        if self.cr:
+            self.cr = False
+            yield from self.feed(b"\n")
+        if self.buf:
+            yield _decode(self.buf, 0, len(self.buf)), False, None
+            self.buf.clear()
+
+
+def _decode(buf: bytearray, start: int, end: int) -> str:
+    with memoryview(buf) as view:  # (no copy of the bytes first: a piece is 1 MiB)
+        return str(view[start:end], "utf-8", "replace")
+
+
+def _cut(buf: bytearray, limit: int) -> int:
+    """Where to cut a piece of at most ``limit`` bytes off ``buf``'s head."""
+    cut = limit
+    if buf[cut] & 0xC0 == 0x80:  # inside a UTF-8 character: before its first byte
+        for at in range(cut - 1, max(cut - 4, 0), -1):
+            if buf[at] & 0xC0 == 0xC0:
+                cut = at
+                break
+            if buf[at] & 0xC0 != 0x80:
+                break  # not UTF-8 there: any cut will do
+    mark = buf.rfind(b"\x1e", max(0, cut - MAX_MARK), cut)
+    return mark if mark > 0 else cut  # (a marker then starts the next piece, whole)
 
 
 class WorkerGroup:
@@ -84,6 +205,9 @@ class WorkerGroup:
         self.stdout = stdout or sys.stdout
         self.prefix_output = prefix_output
         self.workers: dict[str, Worker] = {}
+        # reaped workers whose processes are not all gone: they keep their GPUs
+        self.lingering: list[Worker] = []
+        self._look_at = 0.0  # (monotonic) when to look at them again
         self._next_index = 0
         self._lock = threading.Lock()
 
@@ -128,7 +252,9 @@ class WorkerGroup:
         if gpu is not None:  # (after the job's env: the GPU a worker holds is not the user's)
             held = [g for w in self.workers.values() for g in w.gpus] + self._reserved
             extra_env = {**extra_env, **worker_env(gpu, held, local_rank)}
-        env = envvars.without_secrets({**os.environ, **self.env, **extra_env})
+        token = secrets.token_hex(8)
+        env = envvars.without_secrets({**os.environ, **self.env, **extra_env,
+                                       envvars.WORKER_TOKEN: token})
         # Killed (SIGKILL) when this thread ends, so a killed node agent takes its workers
         # along, as a failed node would - set by an exec helper, never by Python code run
         # between fork and exec (preexec_fn): with the store's gRPC threads it aborted
@@ -138,11 +264,13 @@ class WorkerGroup:
         proc = subprocess.Popen(
             argv, env=env, cwd=self.cwd,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,  # (bytes: _pump)
             start_new_session=True,  # so that stop() can signal the worker's whole tree
         )
-        worker = Worker(index, worker_id, proc, str(index) if label is None else label,
-                        gpus=(gpu,) if gpu is not None else ())
+        # at once: the exec helper is still running, the worker has forked nothing yet
+        tree = ProcTree(proc.pid, token, WorkerCgroup.adopt(proc.pid))
+        worker = Worker(index, worker_id, proc, tree, str(index) if label is None else label,
+                        gpus=(gpu,) if gpu is not None else (), token=token)
         for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
             thread = threading.Thread(target=self._pump, args=(worker, name, pipe), daemon=True)
             thread.start()
@@ -150,78 +278,259 @@ class WorkerGroup:
         self.workers[worker_id] = worker
         return worker
 
-    def _pump(self, worker: Worker, name: str, pipe: IO[str]) -> None:
-        log = None
-        if self.output_dir is not None:
-            folder = self.output_dir / self.job / f"rank.{worker.label}"
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                log = open(folder / name, "a", buffering=1)
-            except OSError as exc:  # the output still reaches stdout: the pipe never stalls
-                with self._lock:
-                    self.stdout.write(f"[pollux] cannot write {folder / name}: "
-                                      f"{exc.strerror or exc}; output to stdout only\n")
-        prefix = f"[{worker.label}]<{name}>:" if self.prefix_output else ""
+    # -- output --------------------------------------------------------------------------
+    def _pump(self, worker: Worker, name: str, pipe: IO[bytes]) -> None:
+        stream = _Stream(name, worker.label, self._open_copy(worker, name))
+        lines = _Lines(self._limit(stream), worker.token.encode())
         try:
-            for line in pipe:
-                if log is not None:
-                    log.write(line)
-                if not line.endswith("\n"):  # a last line: never glued to another rank's
-                    line += "\n"
-                with self._lock:
-                    self.stdout.write(prefix + line)
-                    self.stdout.flush()
-                    if self.log_sink is not None:
-                        self.log_sink.write(prefix + line)
+            fd = pipe.fileno()
+            while chunk := os.read(fd, CHUNK):
+                for text, newline, mark in lines.feed(chunk):
+                    self._line(worker, stream, lines, text, newline, mark)
+            for text, newline, mark in lines.end():
+                self._line(worker, stream, lines, text, newline, mark)
         finally:
             if name == "stdout":
                 worker.ended_at = time.time()
-            if log is not None:
-                log.close()
+            pipe.close()
+            if stream.copy is not None:
+                with contextlib.suppress(OSError):  # (only the copy loses its tail: printed)
+                    stream.copy.close()
 
+    def _open_copy(self, worker: Worker, name: str) -> IO[str] | None:
+        if self.output_dir is None:
+            return None
+        folder = self.output_dir / self.job / f"rank.{worker.start_label}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            return open(folder / name, "a", buffering=1, encoding="utf-8")
+        except OSError as exc:  # the output still reaches stdout: the pipe never stalls
+            self._say(f"[pollux] cannot write {folder / name}: {exc.strerror or exc}; "
+                      "output to stdout only\n")
+            return None
+
+    def _limit(self, stream: _Stream) -> int:
+        """The longest piece of a line without a newline: with its prefix and newline, it
+        fits MAX_LINE."""
+        prefix = f"[{stream.label}]<{stream.name}>:" if self.prefix_output else ""
+        return max(4096, MAX_LINE - 1 - len(prefix.encode()))
+
+    def _line(self, worker: Worker, stream: _Stream, lines: _Lines, text: str,
+              newline: bool, mark: tuple[int, int] | None) -> None:
+        if text or mark is None:  # (text before a marker: printed with no newline after)
+            self._print(stream, text, newline)
+        if mark is not None:
+            self._switch(worker, stream, mark[0], str(mark[1]))
+            lines.limit = self._limit(stream)
+
+    def _print(self, stream: _Stream, line: str, newline: bool) -> None:
+        if stream.copy is not None:
+            self._copy(stream, line, "\n" if newline else "")
+            stream.midline = not newline
+        prefix = f"[{stream.label}]<{stream.name}>:" if self.prefix_output else ""
+        if len(line) < CHUNK:
+            self._say(f"{prefix}{line}\n")
+        else:  # (no prefixed copy of a long one: a piece is up to 1 MiB)
+            self._say(prefix, line, "\n")
+
+    def _copy(self, stream: _Stream, *parts: str) -> None:
+        try:
+            for part in parts:
+                stream.copy.write(part)
+        except OSError as exc:  # (a full disk): said once; the pipe must never stall
+            path = getattr(stream.copy, "name", "?")
+            stream.copy = None
+            self._say(f"[pollux] cannot write {path}: {exc.strerror or exc}; output to "
+                      "stdout only\n")
+
+    def _say(self, *parts: str) -> None:
+        """Print one line (given in ``parts``) to stdout and the job's log."""
+        with self._lock:
+            for part in parts:
+                self.stdout.write(part)
+            self.stdout.flush()
+            if self.log_sink is not None:
+                for part in parts:
+                    self.log_sink.write(part)
+
+    def _switch(self, worker: Worker, stream: _Stream, seq: int, rank: str) -> None:
+        """The worker announced (``seq``) that its next lines are rank ``rank``'s: said
+        once per change, at the first of its streams that shows it."""
+        with self._lock:
+            if seq > worker.mark_seq:
+                worker.mark_seq = seq
+                if rank != worker.label:
+                    note = (f"[pollux] worker {worker.worker_id} is now rank {rank} "
+                            f"(was {worker.label})\n")
+                    self.stdout.write(note)
+                    self.stdout.flush()
+                    if self.log_sink is not None:
+                        self.log_sink.write(note)
+                worker.label = rank
+        if rank != stream.label and stream.copy is not None:
+            self._copy(stream, ("\n" if stream.midline else "") + f"[pollux] worker "
+                       f"{worker.worker_id} is now rank {rank} (was {stream.label})\n")
+            stream.midline = False
+        stream.label = rank
+
+    # -- ends ----------------------------------------------------------------------------
     def reap(self) -> list[tuple[Worker, int]]:
-        """Workers that ended since the last call, with their return codes."""
+        """Workers that ended since the last call, with their return codes.
+
+        A worker signalled to end (:meth:`signal`, :meth:`stop`) has ended once its process
+        group and session are gone too: its driver's SIGKILL still reaches what is left.
+        A worker that ended with processes of its own still running (a child that outlived
+        it, a daemon it started: ``proctree.py``) is reported as ended, and if they are
+        still running ``LINGER_FIRST`` seconds later, one warning in the agent's log names
+        them. They keep its GPU, released only once they are gone (looked at every
+        ``LINGER_EVERY`` seconds) or :meth:`stop` killed them - at the job's end, or
+        the agent's; until then they live on."""
+        exited = [(w, code) for w in self.workers.values() if (code := w.poll()) is not None]
+        now = time.monotonic()
+        look = bool(self.lingering) and now >= self._look_at
+        if not exited and not look:
+            return []
+        before = list(self.lingering)
+        procs = snapshot([w.tree.tag for w, _ in exited] + [w.tree.tag for w in before])
         ended = []
-        for wid, worker in list(self.workers.items()):
-            code = worker.poll()
-            if code is not None:
-                for thread in worker.threads:
+        for worker, code in exited:
+            if worker.stopping and worker.tree.group(procs, leader_exited=True):
+                continue  # still stopping
+            del self.workers[worker.worker_id]
+            ended.append((worker, code))
+            left = worker.tree.members(procs, leader_exited=True)
+            if not left:
+                for thread in worker.threads:  # (its last lines first)
                     thread.join(timeout=1.0)
-                del self.workers[wid]
-                for gpu in worker.gpus:  # free only now: its process has exited
-                    self.devices.release(gpu)
-                ended.append((worker, code))
+                self._free(worker)
+                continue
+            # (not waiting for its pumps: what it left running may hold its pipes for good)
+            worker.reaped_at = now
+            self.lingering.append(worker)
+            self._look_at = min(self._look_at if before else now + LINGER_FIRST,
+                                now + LINGER_FIRST)
+        if look:
+            for worker in before:
+                left = worker.tree.members(procs, leader_exited=True)
+                if not left:
+                    if worker.warned:
+                        log.info("job %s: the processes worker %s left running have ended",
+                                 self.job, worker.worker_id)
+                    self._settled(worker)
+                elif not worker.warned and now - worker.reaped_at >= LINGER_FIRST:
+                    worker.warned = True
+                    log.warning("job %s: worker %s (rank %s) exited %s but left %d "
+                                "process(es) running: %s%s; they are killed when the job's "
+                                "processes here are stopped", self.job, worker.worker_id,
+                                worker.label, worker.poll(), len(left), describe(left),
+                                f"; they keep its GPU {','.join(worker.gpus)} until they "
+                                "end" if worker.gpus else "")
+            soon = any(not w.warned for w in self.lingering)
+            self._look_at = now + (LINGER_FIRST if soon else LINGER_EVERY)
         if ended and not self.workers and self.log_sink is not None:
             self.log_sink.close()  # (opened again by a later worker's first line)
         return ended
+
+    def _free(self, worker: Worker) -> None:
+        """Its processes are gone: its GPU is free (and its cgroup removed)."""
+        if self.devices is not None:
+            for gpu in worker.gpus:
+                self.devices.release(gpu)
+        worker.tree.close()
+
+    def _settled(self, worker: Worker) -> None:
+        self.lingering.remove(worker)
+        self._free(worker)
 
     def alive(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.poll() is None]
 
     def signal(self, sig: int, only: Collection[str]) -> None:
-        """Send ``sig`` to the process groups of the live workers whose ids are in ``only``
-        (without waiting for them)."""
-        for worker in list(self.workers.values()):
-            if worker.worker_id in only and worker.poll() is None:
-                _signal_group(worker.proc, sig)
+        """Send ``sig`` to the process groups of the workers whose ids are in ``only``
+        (without waiting for them); SIGKILL goes to all of each one's processes
+        (``proctree.py``). After SIGTERM, SIGINT or SIGKILL a worker has ended only once
+        its process group has (:meth:`reap`)."""
+        chosen = [w for w in self.workers.values() if w.worker_id in only]
+        if sig == signal.SIGKILL:
+            self._kill_once(chosen, [w for w in chosen if w.poll() is None])
+            return
+        for worker in chosen:
+            worker.stopping = worker.stopping or sig in STOPPING
+            worker.tree.signal_group(sig)
 
     def stop(self, grace: float = 10.0, only: Collection[str] | None = None) -> None:
-        """SIGTERM every worker's process group (or those of the worker ids in ``only``),
-        SIGKILL what is left after ``grace``."""
-        chosen = [w for w in list(self.workers.values()) if only is None or w.worker_id in only]
+        """Stop every worker (or those whose ids are in ``only``), with the processes left
+        by those already reaped: SIGTERM each one's process group; wait up to ``grace``
+        for the worker and every process of its group and session to be gone; then
+        SIGKILL all of it - its group (even where the worker itself has exited), its
+        cgroup, and its other processes found (``proctree.py``: a daemon that left its
+        session is found by its cgroup where the machine allows one, else by the worker's
+        token in its environment; one that also replaced its environment escapes without
+        a cgroup) - and wait until they are gone (at most ``KILL_WAIT`` seconds more;
+        what is left then is named in the log). Returns after that: the caller's reap
+        then frees the workers' slots and GPUs; those of workers reaped before are freed
+        here."""
+        chosen = [w for w in self.workers.values() if only is None or w.worker_id in only]
+        chosen += [w for w in self.lingering if only is None or w.worker_id in only]
+        if not chosen:
+            return
+        exited = {w: w.poll() is not None for w in chosen}
+        procs = snapshot()
         for worker in chosen:
-            if worker.poll() is None:
-                _signal_group(worker.proc, signal.SIGTERM)
-        for worker in chosen:
-            try:
-                worker.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(worker.proc, signal.SIGKILL)
-                worker.proc.wait()
+            if exited[worker]:
+                worker.tree.group(procs, leader_exited=True)  # (an empty one is not signalled)
+            worker.stopping = True
+            worker.tree.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if all(w.poll() is not None for w in chosen):
+                procs = snapshot()
+                if not any(w.tree.group(procs, leader_exited=True) for w in chosen):
+                    break
+            time.sleep(POLL)
+        reaped = [w for w in self.lingering if w in chosen]
+        procs = snapshot([w.tree.tag for w in reaped]) if reaped else []
+        for worker in reaped:
+            left = worker.tree.members(procs, leader_exited=True)
+            if left:  # (the job's end: what its workers left running is said, then killed)
+                log.warning("job %s: killing %d process(es) worker %s (exited %s) left "
+                            "running: %s", self.job, len(left), worker.worker_id,
+                            worker.poll(), describe(left))
+        survivors = self._kill(chosen)
+        for worker in [w for w in self.lingering if w in chosen and w not in survivors]:
+            self._settled(worker)
 
+    def _kill(self, chosen: list[Worker]) -> list[Worker]:
+        """SIGKILL all of each worker's processes, again until they are gone (at most
+        KILL_WAIT seconds); returns the workers some of whose processes are not (named in
+        the log: a process stuck in the kernel, say)."""
+        deadline = time.monotonic() + KILL_WAIT
+        while True:
+            running = [w for w in chosen if w.poll() is None]
+            procs = snapshot([w.tree.tag for w in chosen])
+            left = {w: w.tree.members(procs, leader_exited=w not in running) for w in chosen}
+            survivors = [w for w in chosen if w in running or left[w]]
+            if not survivors:
+                return []
+            if time.monotonic() >= deadline:
+                for w in survivors:
+                    log.warning("job %s: worker %s: %s still alive %.0f s after SIGKILL",
+                                self.job, w.worker_id,
+                                describe(left[w] | ({w.pid} if w in running else set())),
+                                KILL_WAIT)
+                return survivors
+            self._kill_once(chosen, running, left)
+            time.sleep(POLL)
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    @staticmethod
+    def _kill_once(chosen: list[Worker], running: list[Worker],
+                   left: dict[Worker, set[int]] | None = None) -> None:
+        """SIGKILL the workers' processes (``left``: found just now, else looked for)."""
+        if left is None:
+            procs = snapshot([w.tree.tag for w in chosen])
+            left = {w: w.tree.members(procs, leader_exited=w not in running) for w in chosen}
+        for w in chosen:
+            w.stopping = True
+            if w in running:
+                w.proc.kill()
+            w.tree.kill(left[w])
