@@ -8,11 +8,14 @@ Shared by the launcher and the coordinator subcommands, so that neither imports 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
+import re
+import socket
 from typing import NoReturn
 
 from . import keys
-from .messages import MAX_SLOTS
+from .messages import MAX_REPLICAS, MAX_SLOTS
 
 
 class OptionsError(ValueError):
@@ -60,8 +63,9 @@ def lease_seconds(text: str) -> float:
 def count(text: str) -> int:
     """A positive count (replicas, restarts)."""
     value = _number(text, int)
-    if not 1 <= value <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"{text} must be a whole number from 1 to 1000000")
+    if not 1 <= value <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"{text} must be a whole number from 1 to "
+                                         f"{MAX_REPLICAS}")
     return value
 
 
@@ -87,6 +91,32 @@ def name(text: str) -> str:
     if not keys.NAME.fullmatch(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} must be 1-128 characters from A-Z a-z 0-9 _ . @ : + -")
+    return text
+
+
+# a host name (RFC 1123): dot-separated labels of letters, digits and inner hyphens
+_HOST_NAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def node_address(text: str) -> str:
+    """An address other nodes reach this one at: an IP address, or a host name that
+    resolves here. A name whose last label is all digits is no name (RFC 3696): such
+    text is a mistyped IP address (999.1.1.1). Resolving here proves the name exists,
+    not that every node resolves it alike - an IP address is the surer choice."""
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(text) or text.rstrip(".").rpartition(".")[2].isdigit():
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is neither an IP address nor a host "
+                                         "name")
+    try:
+        socket.getaddrinfo(text, None)
+    except (OSError, UnicodeError):  # (socket.gaierror is an OSError)
+        raise argparse.ArgumentTypeError(f"{text!r} does not resolve on this host; give "
+                                         "this node's IP address") from None
     return text
 
 

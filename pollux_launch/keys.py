@@ -25,6 +25,10 @@ Only JSON is stored; see ``pollux_launch.messages``.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .rendezvous.store.base import Compare
 
 # A name that is one level of a key: a node's, a job's, a worker's.
 NAME = re.compile(r"[A-Za-z0-9_.@:+-]{1,128}")
@@ -43,6 +47,19 @@ def node(name: str) -> str:
 def job(name: str, leaf: str = "") -> str:
     """``jobs/<name>/`` or ``jobs/<name>/<leaf>``."""
     return f"{JOBS}{name}/{leaf}"
+
+
+def job_exists(name: str, created: int | None = None) -> Compare:
+    """The condition that every write a service makes under ``jobs/<name>/`` for an
+    existing job carries, in the same transaction: the job's spec key still exists -
+    with ``created``, that very spec (its create revision as read; not a new submission
+    of the name). Without it a write racing the job's removal (a local launcher deletes
+    ``jobs/<name>/`` as it exits) brings back a key of a job that is gone: a ghost."""
+    from .rendezvous.store.base import Compare  # (keys stays free of the store at import)
+
+    if created is None:
+        return Compare(job(name, "spec"), "create_revision", "!=", 0)
+    return Compare(job(name, "spec"), "create_revision", "==", created)
 
 
 def split_job_key(key: str) -> tuple[str, str] | None:

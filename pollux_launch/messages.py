@@ -58,7 +58,13 @@ M = TypeVar("M")
 
 
 class MessageError(ValueError):
-    """A value read from the store is not a well-formed message."""
+    """A value read from the store is not a well-formed message. ``field``: the name of
+    the field whose value is wrong (None: the message as a whole), so that a caller can
+    say which of its inputs set it without reading the text."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def within(lo: float, hi: float, default: Any = dataclasses.MISSING,
@@ -405,8 +411,12 @@ def decode(cls: type[M], raw: str | bytes) -> M:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise MessageError(f"{name}: missing field {f.name!r}")
             continue
-        value = _coerce(body.pop(f.name), hints[f.name], f"{name}.{f.name}")
-        _check(value, f.metadata, f"{name}.{f.name}")
+        try:
+            value = _coerce(body.pop(f.name), hints[f.name], f"{name}.{f.name}")
+            _check(value, f.metadata, f"{name}.{f.name}")
+        except MessageError as exc:
+            exc.field = f.name
+            raise
         kwargs[f.name] = value
     if body:
         raise MessageError(f"{name}: unknown field(s) {sorted(body)[:5]}")
@@ -416,6 +426,25 @@ def decode(cls: type[M], raw: str | bytes) -> M:
         raise
     except (TypeError, ValueError) as exc:  # a message's own invariants
         raise MessageError(f"{name}: {exc}") from None
+
+
+def checked(msg: Any) -> str:
+    """``msg`` encoded, once it is proven that every reader accepts it: decoded back by
+    :func:`decode` - the same checks (each field's range and type, the size, the
+    invariants), so that a writer never puts what its readers would refuse
+    (:class:`MessageError` otherwise, with ``field`` set where one field is wrong)."""
+    text = encode(msg)
+    decode(type(msg), text)
+    return text
+
+
+def field_range(cls: type, name: str) -> tuple[float, float]:
+    """The bounds ``within`` declares for field ``name`` of message class ``cls``: for
+    those who check a value before it becomes a message (the command line)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name and "range" in f.metadata:
+            return f.metadata["range"]
+    raise KeyError(f"{cls.__name__}.{name} declares no range")
 
 
 @functools.cache

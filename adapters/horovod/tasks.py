@@ -52,7 +52,7 @@ from pollux_launch.messages import (
     decode,
     encode,
 )
-from pollux_launch.rendezvous.store import Store, StoreError
+from pollux_launch.rendezvous.store import Put, Store, StoreError
 
 from .hosts import read_allocation
 
@@ -242,7 +242,8 @@ class HorovodTaskDriver(JobDriver):
         return self.ctx.store.get(keys.job(self.spec.name, f"exits/{task_id}")) is not None
 
     def _report(self, task_id: str, code: int) -> None:
-        self.ctx.store.put(keys.job(self.spec.name, f"exits/{task_id}"), encode(TaskExit(code)))
+        self.ctx.store.txn([keys.job_exists(self.spec.name)], [Put(  # (not for a job gone)
+            keys.job(self.spec.name, f"exits/{task_id}"), encode(TaskExit(code)))])
 
     def reap(self, allocation: Callable[[], Allocation | None]) -> list[ProcessExit]:
         out = []

@@ -100,6 +100,11 @@ class _JobView:
     generation: JobGeneration | None = None
     hints_revision: int = 0
     status_revision: int = 0
+    # its spec key's create and mod revisions as read (0: it has none - then nothing is
+    # written for the job: keys.job_exists), and why its value was refused, if it was
+    spec_created: int = 0
+    spec_revision: int = 0
+    refused: str | None = None
     # its rendezvous: the state of its latest formed round (the highest round number
     # with one) and its registered workers (each key lives under the worker's lease)
     round_state: KeyValue | None = None
@@ -165,6 +170,9 @@ class Coordinator:
         now = self.clock()
         if self.autoscaler is not None and self._resumed_term != self.term:
             self._resume_autoscaler(now)
+        for name, view in sorted(jobs.items()):
+            if view.refused is not None and not (view.status and view.status.finished):
+                self._refuse(name, view, now)
         active = [n for n, v in sorted(jobs.items())
                   if v.spec is not None and not (v.status and v.status.finished)]
         adopted, deferred = self._adopt(active, jobs, present, now)
@@ -217,7 +225,8 @@ class Coordinator:
                     old is None and name in self._admitted_now):
                 writes[name] = Allocation(_next_version(old), placement, now, self.term)
         for name, view in jobs.items():  # finished jobs give their slots back
-            if view.status and view.status.finished and view.allocation and view.allocation.nodes:
+            if view.status and view.status.finished and view.allocation and \
+                    view.allocation.nodes and view.spec_created:
                 writes[name] = Allocation(view.allocation.version + 1, (), now, self.term)
         for name in set(self._memo) - set(active):
             del self._memo[name]
@@ -233,17 +242,11 @@ class Coordinator:
             # jobs that give slots back first, so agents free them before others grow
             order = sorted(writes, key=lambda n: (_replicas(writes[n]) - _replicas(
                 jobs[n].allocation), n))
-            for i in range(0, len(order), TXN_OPS):  # etcd refuses bigger transactions
-                chunk = {n: writes[n] for n in order[i:i + TXN_OPS]}
-                ops = [Put(keys.job(n, "allocation"), encode_msg(a)) for n, a in chunk.items()]
-                if not self.store.txn(guard, ops):
-                    log.warning("coordinator %s lost leadership; round discarded%s", self.name,
-                                f" after {i} of {len(order)} allocations" if i else "")
-                    self._deposed = True
-                    return {n: writes[n] for n in order[:i]}
-                self._good.update(chunk)
+            writes, lost = self._put_allocations(order, writes, jobs, guard)
             for name, alloc in sorted(writes.items()):
                 log.info("allocation %s v%d: %s", name, alloc.version, _describe(alloc))
+            if lost:
+                return writes
         self.rounds += 1
         status = self.autoscaler.status if self.autoscaler else None
         if status is not None and status != self._autoscale_said and not self._deposed:
@@ -251,6 +254,49 @@ class Coordinator:
             if self.store.txn(guard, [Put(keys.AUTOSCALE, encode_msg(status))]):
                 self._autoscale_said = status
         return writes
+
+    def _put_allocations(self, order: list[str], writes: dict[str, Allocation],
+                         jobs: dict[str, _JobView], guard: list[Compare]
+                         ) -> tuple[dict[str, Allocation], bool]:
+        """Write ``writes`` in ``order``, in transactions of at most ``TXN_OPS``
+        comparisons and as many puts (etcd's limit applies to each), each guarded by our
+        leadership and by every job's spec being the one this round read
+        (``keys.job_exists``). A job removed meanwhile (its launcher deleted its keys)
+        gets nothing and the rest are written again; a lost leadership ends the round
+        (``_deposed``). Returns what was written, and whether the leadership was lost."""
+        size = TXN_OPS - len(guard)  # (etcd: at most TXN_OPS comparisons, and puts)
+        done: dict[str, Allocation] = {}
+        pending = list(order)
+        while pending:
+            chunk = pending[:size]
+            cond = [*guard, *(keys.job_exists(n, jobs[n].spec_created) for n in chunk)]
+            ops = [Put(keys.job(n, "allocation"), encode_msg(writes[n])) for n in chunk]
+            if self.store.txn(cond, ops):
+                done.update((n, writes[n]) for n in chunk)
+                self._good.update((n, writes[n]) for n in chunk)
+                pending = pending[size:]
+                continue
+            gone = {n for n in chunk if _created(self.store.get(keys.job(n, "spec")))
+                    != jobs[n].spec_created}
+            if not gone:  # every spec is as read: the leader guard failed
+                log.warning("coordinator %s lost leadership; round discarded%s", self.name,
+                            f" after {len(done)} of {len(order)} allocations" if done else "")
+                self._deposed = True
+                return done, True
+            log.info("job%s %s removed while this round ran: no allocation written for "
+                     "%s", "s" if len(gone) > 1 else "", ", ".join(sorted(gone)),
+                     "them" if len(gone) > 1 else "it")
+            pending = [n for n in pending if n not in gone]
+        return done, False
+
+    def _refuse(self, name: str, view: _JobView, now: float) -> None:
+        """Fail a job whose spec no reader accepts (``view.refused``: why), so that its
+        launcher ends with that reason instead of waiting for slots forever. Written only
+        if neither the spec nor the status changed since this round read them."""
+        why = f"the coordinator refused its spec: {view.refused}"[:400]
+        guard = [Compare(keys.job(name, "spec"), "mod_revision", "==", view.spec_revision)]
+        if self._set_status(name, view, JobStatus("failed", 1, why, now), guard):
+            log.warning("job %s failed: %s", name, why)
 
     def _adopt(self, active: list[str], jobs: dict[str, _JobView], present: list[NodeInfo],
                now: float) -> tuple[set[str], set[str]]:
@@ -397,15 +443,20 @@ class Coordinator:
         admitted = set(held) | self._admitted_now
         return [n for n in active if n in admitted]
 
-    def _set_status(self, name: str, view: _JobView, status: JobStatus) -> None:
+    def _set_status(self, name: str, view: _JobView, status: JobStatus,
+                    guard: list[Compare] | None = None) -> bool:
         """Write a job's status unless it changed since this round read it (a launcher's
-        cancel, a node agent's start) or we no longer lead."""
-        guard = [Compare(keys.job(name, "status"), "mod_revision", "==", view.status_revision)]
+        cancel, a node agent's start), the job is gone or we no longer lead (and
+        ``guard``). True if written."""
+        guard = [*(guard or ()), keys.job_exists(name, view.spec_created),
+                 Compare(keys.job(name, "status"), "mod_revision", "==", view.status_revision)]
         if self._lease:
             guard += [Compare(keys.LEADER, "create_revision", "==", self.term)]
         if not self.store.txn(guard, [Put(keys.job(name, "status"), encode_msg(status))]):
-            log.info("job %s: its status changed meanwhile; admission decides next round",
-                     name)
+            log.info("job %s: its status changed meanwhile (or it is gone); decided again "
+                     "next round", name)
+            return False
+        return True
 
     def _speedup(self, name: str, view: _JobView) -> SpeedupFn | None:
         """Memoised per job and hints timestamp: each fitted model is built once and its
@@ -500,6 +551,9 @@ class Coordinator:
                 continue
             if split is None or split[1] not in kinds:
                 continue
+            if split[1] == "spec":
+                self._read_spec(jobs.setdefault(split[0], _JobView()), split[0], kv)
+                continue
             if split[1] == "generation":  # (completion.py reads it as text)
                 jobs.setdefault(split[0], _JobView()).finished[kv.key] = kv.value
             value = self.values.read(kinds[split[1]], kv.key, kv.value, kv.mod_revision)
@@ -511,9 +565,7 @@ class Coordinator:
                 value = self._good.get(split[0]) or Allocation(kv.mod_revision, ())
             elif split[1] == "allocation":
                 self._good[split[0]] = value
-            if isinstance(value, JobSpec) and value.name != split[0]:
-                self.values.bad(kv.key, kv.mod_revision, f"names another job, {value.name!r}")
-            elif value is not None:
+            if value is not None:
                 view = jobs.setdefault(split[0], _JobView())
                 setattr(view, split[1], value)
                 if split[1] == "hints":
@@ -521,6 +573,21 @@ class Coordinator:
                 elif split[1] == "status":
                     view.status_revision = kv.mod_revision
         return jobs
+
+    def _read_spec(self, view: _JobView, name: str, kv: KeyValue) -> None:
+        """The job's spec into ``view``, with its key's revisions; a spec that cannot be
+        decoded, or that names another job, is logged once and its reason kept."""
+        view.spec_created, view.spec_revision = kv.create_revision, kv.mod_revision
+        try:
+            spec = decode(JobSpec, kv.value)
+        except MessageError as exc:
+            view.refused = str(exc)
+        else:
+            if spec.name == name:
+                view.spec = spec
+                return
+            view.refused = f"it names another job, {spec.name!r}"
+        self.values.bad(kv.key, kv.mod_revision, view.refused)
 
     # -- the service -----------------------------------------------------------------
     def serve(self, stop: threading.Event) -> None:
@@ -673,6 +740,10 @@ def _capacity(node: NodeInfo, allocated: dict[str, int]) -> int:
     policy shrink what it runs)."""
     leaving = sum(max(0, int(k) - allocated.get(job, 0)) for job, k in node.workers.items())
     return max(node.slots - leaving, min(sum(allocated.values()), node.slots))
+
+
+def _created(kv: KeyValue | None) -> int:
+    return kv.create_revision if kv is not None else 0
 
 
 def _replicas(alloc: Allocation | None) -> int:

@@ -27,6 +27,7 @@ refused with :class:`CheckpointError` and the caller starts afresh, logging why.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest"
 _NAME = re.compile(r"^ckpt-(\d{8})$")
+# a write that failed for want of room: the file system is full, or the user's quota is
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointError(ValueError):
@@ -88,6 +91,51 @@ def _write_file(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+class _Sink:
+    """``torch.save``'s file, remembering the ``OSError`` a write raised: torch reports a
+    failed write as a ``RuntimeError`` of its own (``unexpected pos ...``), which says
+    neither that nor why; the remembered error does (its errno)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save(state: dict[str, Any], file: Any) -> None:
+    """``torch.save`` into ``file``; a write that failed raises its own ``OSError``."""
+    sink = _Sink(file)
+    try:
+        torch.save(state, sink)
+    except RuntimeError:
+        if sink.error is not None:
+            raise sink.error from None
+        raise
+
+
+def _megabytes(obj: Any) -> str:
+    """The size of ``obj``'s tensors, e.g. ``35.9 MB``."""
+    def size(o: Any) -> int:
+        if isinstance(o, torch.Tensor):
+            return o.element_size() * o.nelement()
+        if isinstance(o, dict):
+            return sum(size(v) for v in o.values())
+        if isinstance(o, list | tuple):
+            return sum(size(v) for v in o)
+        return 0
+
+    mb = size(obj) / 1e6
+    return f"{mb:.1f} MB" if mb < 10 else f"{mb:.0f} MB"
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Checkpoint | None:
@@ -168,6 +216,7 @@ class CheckpointWriter:
 
     def _write(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
         t0 = time.perf_counter()
+        tmp = done = None  # the folder being written; the complete one, not yet `latest`
         try:
             # rank 0 may be another process than the one that wrote the last checkpoint
             names = [int(m.group(1)) for p in self.directory.iterdir()
@@ -178,25 +227,43 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             with open(tmp / "state.pt", "wb") as f:
-                torch.save(state, f)
+                _save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
             _write_file(tmp / "meta.json", json.dumps(meta).encode())
             _fsync_dir(tmp)
             os.replace(tmp, self.directory / name)
+            tmp, done = None, self.directory / name
             _write_file(self.directory / f"{LATEST}.tmp", json.dumps({"name": name}).encode())
             os.replace(self.directory / f"{LATEST}.tmp", self.directory / LATEST)
+            done = None
             _fsync_dir(self.directory)
             self._prune(name)
             self.saved += 1
             self.write_s = time.perf_counter() - t0
             self.error = None
         except (OSError, RuntimeError) as exc:  # a full disk must not stop training
-            if self.error is None:
-                log.error("checkpoint to %s failed: %s (training goes on)", self.directory, exc)
+            # what this write left goes (on a full disk, room for the next one): the
+            # partial folder, the pointer's temporary file, a complete folder that
+            # `latest` does not name; the last good checkpoint stays as it was
+            for path in (tmp, done):
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
+            (self.directory / f"{LATEST}.tmp").unlink(missing_ok=True)
+            if self.error is None:  # (said once while the failures last)
+                log.error("%s", self._failure(exc, state))
             self.error = exc
         finally:
             self._busy.release()
+
+    def _failure(self, exc: BaseException, state: dict[str, Any]) -> str:
+        """One line saying why a checkpoint was not written."""
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+            kept = ("the last good checkpoint is kept" if (self.directory / LATEST).exists()
+                    else "there is no earlier one")
+            return (f"no space left on {self.directory} (checkpoint of {_megabytes(state)} "
+                    f"not written; {kept})")
+        return f"checkpoint to {self.directory} failed: {exc} (training goes on)"
 
     def _prune(self, newest: str) -> None:
         done = sorted(p for p in self.directory.iterdir() if _NAME.match(p.name))

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 
-from ..arguments import lease_seconds, name
+from ..arguments import lease_seconds, name, node_address
 from ..arguments import slots as slot_count
 from ..messages import NodeInfo
 from ..rendezvous.network import advertised_address, interface_of
@@ -35,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this node's GPUs, each worker holding one: a count or "
                         "CUDA_VISIBLE_DEVICES ids (0,2,5); 'none' for CPU slots (default: "
                         "those of CUDA_VISIBLE_DEVICES, else the driver's)")
-    parser.add_argument("--address", default=None,
-                        help="address other nodes reach this one at (default: this host's "
-                        "address on the route to the store)")
+    parser.add_argument("--address", type=node_address, default=None,
+                        help="address other nodes reach this one at: an IP address, or a "
+                        "host name that resolves (default: this host's address on the "
+                        "route to the store)")
     parser.add_argument("--network-interface", default=None, metavar="NIC",
                         help="interface the workers' transports (gloo, NCCL sockets) bind "
                         "(default: the one carrying --address)")

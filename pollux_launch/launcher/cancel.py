@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
                   "be used again", file=sys.stderr)
             return 1
         status = JobStatus("cancelled", 130, "cancelled by pollux-run cancel", time.time())
-        guard = [Compare(key, "mod_revision", "==", current.mod_revision if current else 0)]
+        guard = [keys.job_exists(args.job),
+                 Compare(key, "mod_revision", "==", current.mod_revision if current else 0)]
         if not store.txn(guard, [Put(key, encode(status))]):
             print(f"pollux-run cancel: job {args.job!r} changed meanwhile; run it again",
                   file=sys.stderr)

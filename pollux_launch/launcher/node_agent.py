@@ -338,9 +338,9 @@ class NodeAgent:
             if now.get(job) == self._gpus_said.get(job):
                 continue
             key = keys.job_gpus(job, self.node.name)
-            if job in now:
-                self.store.put(key, encode(JobGpus(self.node.name, now[job], self.clock())),
-                               lease=self._lease)
+            if job in now:  # (said even if the job is gone: not tried again each pass)
+                self.store.txn([keys.job_exists(job)], [Put(key, encode(JobGpus(
+                    self.node.name, now[job], self.clock())), lease=self._lease)])
                 self._gpus_said[job] = now[job]
             else:
                 self.store.delete(key)
@@ -440,7 +440,9 @@ class NodeAgent:
         alloc = self._allocation(name)
         mark = WorkerFinished(self.node.name, ended.generation or generation(alloc, 0),
                               self.clock())
-        self.store.put(keys.job_finished(name, ended.worker_id), encode(mark))
+        if not self.store.txn([keys.job_exists(name)],
+                              [Put(keys.job_finished(name, ended.worker_id), encode(mark))]):
+            return  # the job is gone: nothing to complete
         view = self._read_jobs(keys.job(name)).get(name)
         if view is None or view.spec is None:
             return
@@ -473,7 +475,8 @@ class NodeAgent:
                if current is not None else None)
         if old is not None and old.finished:
             return
-        guard = [Compare(key, "mod_revision", "==", current.mod_revision if current else 0)]
+        guard = [keys.job_exists(job),
+                 Compare(key, "mod_revision", "==", current.mod_revision if current else 0)]
         self.store.txn(guard, [Put(key, encode(status))])
 
     def _read_jobs(self, prefix: str = keys.JOBS) -> dict[str, _JobView]:

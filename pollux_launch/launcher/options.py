@@ -33,8 +33,14 @@ from ..arguments import (
     seconds_or_zero,
     slots,
 )
-from ..messages import ELASTICITY, MAX_REPLICAS
-from ..rendezvous.store.cli_args import add_store_arguments, store_options, worker_store_env
+from ..messages import ELASTICITY, MAX_REPLICAS, JobSpec, field_range
+from ..policy import POLICIES
+from ..rendezvous.store.cli_args import (
+    DEFAULT_URL,
+    add_store_arguments,
+    store_options,
+    worker_store_env,
+)
 from .devices import parse_gpus
 from .frameworks import (
     FRAMEWORKS,
@@ -97,6 +103,16 @@ _HOROVOD_ENV_FLAGS = {
 }
 
 UNBOUNDED = MAX_REPLICAS  # --max-np not given: as many replicas as the cluster offers
+
+# The flag that sets each field of the job's spec: the spec's own bounds (messages.JobSpec,
+# the ones every reader checks) are checked here, and a spec refused as a whole names it.
+SPEC_FLAGS = {
+    "initial_replicas": "-np", "min_replicas": "--min-np", "max_replicas": "--max-np",
+    "max_restarts": "--max-restarts", "stop_grace": "--restart-grace",
+    "min_batch_size": "--min-batch-size", "max_batch_size": "--max-batch-size",
+    "name": "--job-name", "command": "the command", "env": "the workers' environment",
+}
+_TORCHRUN_REPLICAS = "--nnodes x --nproc-per-node"
 _JOB_NAME = re.compile(r"^[a-z0-9]([a-z0-9\-_.]{0,62}[a-z0-9])?$")
 
 
@@ -219,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--interval", type=seconds, default=None,
                    help="seconds between scheduling rounds (default: from the calibrated cost "
                    "of a live rescale, 15)")
-    x.add_argument("--policy", help="scheduling policy name (default: the fastest exact one)")
+    x.add_argument("--policy", choices=sorted(POLICIES),
+                   help="local mode: scheduling policy (default: the fastest exact one; in "
+                   "a cluster, the coordinator service's --policy)")
     x.add_argument("--realloc-delay", type=seconds_or_zero, default=None,
                    help="seconds a re-allocation is expected to cost a live job (the "
                    "policy's penalty; default: the calibrated live pause for its state)")
@@ -446,8 +464,17 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
     except ValueError as exc:
         raise OptionsError(str(exc)) from None
     max_restarts = ns.max_restarts or 0
-    if max_restarts < 0:
-        raise OptionsError("--max-restarts must be 0 or more")
+    torchrun = getattr(ns, "torchrun_form", False)
+    _check_spec_bounds({
+        "initial_replicas": np_, "min_replicas": lo, "max_replicas": hi,
+        "max_restarts": max_restarts, "stop_grace": ns.restart_grace,
+        "min_batch_size": ns.min_batch_size, "max_batch_size": ns.max_batch_size},
+        {f: _TORCHRUN_REPLICAS for f in ("initial_replicas", "min_replicas", "max_replicas")}
+        if torchrun else {})
+    if ns.policy is not None and not (ns.store or DEFAULT_URL).startswith("embedded"):
+        raise OptionsError("--policy: in a cluster every job is scheduled by the coordinator "
+                           "service's policy (`pollux-run coordinator --policy ...`); drop "
+                           "the flag here")
     if max_restarts and elasticity == "live":
         raise OptionsError("--max-restarts: this job re-forms live (its survivors go on when a "
                            "worker fails); restarts apply to restart-elastic and fixed jobs")
@@ -474,6 +501,24 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         min_batch_size=ns.min_batch_size, max_batch_size=ns.max_batch_size,
         gpus=parse_gpus(ns.gpus) if ns.gpus is not None else None,
     )
+
+
+def _check_spec_bounds(values: dict[str, float | None], flags: dict[str, str]) -> None:
+    """Each value bound for the job's spec within the bounds its readers check
+    (``messages.JobSpec``): else one line naming the flag (``flags``: where another flag
+    than ``SPEC_FLAGS``' sets it) and the range, before anything starts."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        lo, hi = field_range(JobSpec, name)
+        if not lo <= value <= hi:
+            raise OptionsError(f"{flags.get(name, SPEC_FLAGS[name])} {_number(value)}: must "
+                               f"lie in [{_number(lo)}, {_number(hi)}]")
+
+
+def _number(value: float) -> str:
+    """A bound or value as a person writes it: 3600, not 3600.0 or 3.6e+03."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def _checkpoint_env(ns: argparse.Namespace, cwd: Path) -> dict[str, str]:

@@ -85,7 +85,8 @@ class RestartDriver(ReplicaDriver):
             new = change(old)
             if new is None:
                 return False
-            if self.ctx.store.txn([Compare(self._key(), "mod_revision", "==", rev)],
+            if self.ctx.store.txn([keys.job_exists(self.spec.name),
+                                   Compare(self._key(), "mod_revision", "==", rev)],
                                   [Put(self._key(), encode(new))]):
                 return True
         return False

@@ -45,8 +45,10 @@ from ..messages import (
     JobHints,
     JobSpec,
     JobStatus,
+    MessageError,
     NodeInfo,
     ValueLog,
+    checked,
     encode,
 )
 from ..policy import DEFAULT_POLICY, make_policy
@@ -61,7 +63,7 @@ from .drivers import driver_class
 from .hosts import LOCAL_NAMES
 from .logs import LogFollower
 from .node_agent import NodeAgent
-from .options import LaunchOptions, OptionsError
+from .options import SPEC_FLAGS, LaunchOptions, OptionsError
 from .status import describe_allocation, describe_hints, describe_kind
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,7 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     if local and opts.min_np > slots and not discovery:  # (discovered hosts may come)
         raise OptionsError(f"--min-np {opts.min_np} is more than this machine's {slots} slots")
     secret = security.load_secret(opts.secret_file)
+    spec = _checked_spec(opts, local)  # (before the store: a refused spec leaves nothing)
     store = open_store(url, opts.store_prefix, **opts.store_options)
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -145,7 +148,6 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     keeper = store.keep_alive(lease, 3.0) if local else None
     submitted = False  # the job's keys are ours to remove only once we wrote them
     try:
-        spec = _spec(opts, local)
         _submit(store, spec, secret, lease)
         submitted = True
         print(f"[pollux] job {spec.name}: {describe_kind(spec)} ({opts.elasticity_reason})",
@@ -219,6 +221,19 @@ def _spec(opts: LaunchOptions, local: bool) -> JobSpec:
         reports_goodput=opts.reports_goodput, min_batch_size=opts.min_batch_size,
         max_batch_size=opts.max_batch_size,
     )
+
+
+def _checked_spec(opts: LaunchOptions, local: bool) -> JobSpec:
+    """The job's spec, proven to be one that every reader accepts (``messages.checked``:
+    the readers' own decoding) - else one line naming the flag that set the wrong field.
+    A spec the coordinator and the agents refused would wait for slots forever."""
+    try:
+        spec = _spec(opts, local)
+        checked(spec)
+    except MessageError as exc:
+        what = SPEC_FLAGS.get(exc.field or "", "the job's spec")
+        raise OptionsError(f"{what}: {exc}; every reader would refuse the job") from None
+    return spec
 
 
 def resolve_command(command: tuple[str, ...], path: str) -> tuple[str, ...]:
@@ -355,4 +370,7 @@ def _read(store: Store, key: str, cls: type[M], values: ValueLog) -> M | None:
 
 
 def _cancel(store: Store, job: str, message: str) -> None:
-    store.put(keys.job(job, "status"), encode(JobStatus("cancelled", 130, message, time.time())))
+    """Mark the job cancelled - while it exists: a job whose keys are gone stays gone."""
+    store.txn([keys.job_exists(job)],
+              [Put(keys.job(job, "status"), encode(JobStatus("cancelled", 130, message,
+                                                             time.time())))])

@@ -107,8 +107,11 @@ def render(store: Store, now: float | None = None) -> str:
     kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation,
              "restarts": JobRestarts, "generation": JobGeneration}
     held: dict[str, dict[str, tuple[str, ...]]] = {}  # job -> node -> the GPUs its workers hold
+    specs: set[str] = set()  # the jobs that have a spec key (well-formed or not)
     for kv in store.get_prefix(keys.JOBS):
         split = keys.split_job_key(kv.key)
+        if split and split[1] == "spec":
+            specs.add(split[0])
         if split and (split[1] in kinds or split[1].startswith("gpus/")):
             try:
                 if split[1] in kinds:
@@ -118,6 +121,10 @@ def render(store: Store, now: float | None = None) -> str:
                     held.setdefault(split[0], {})[gpus.node] = gpus.gpus
             except MessageError:
                 bad.append(kv.key)
+    # a job exists while its spec key does (a malformed one too: it is shown, with the
+    # key among the malformed values): keys left of a removed job (a write that raced its
+    # removal) are no job, and listing them as one would list it forever
+    jobs = {name: jobs.get(name, {}) for name in specs}
     used: Counter[str] = Counter()
     rows = []
     for name, view in sorted(jobs.items()):

@@ -82,3 +82,45 @@ def test_a_malformed_or_hostile_checkpoint_is_refused(tmp_path, damage):
     with pytest.raises(CheckpointError):
         latest_checkpoint(tmp_path)
     assert not (tmp_path / "pwned").exists() and not os.path.exists("pwned")
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 256 KiB tmpfs: room for a small checkpoint, not for a big one."""
+    import subprocess
+
+    folder = tmp_path / "full"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tiny tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()[:200]}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_a_full_file_system_is_one_line_and_leaves_the_last_good_checkpoint(tiny_fs, caplog):
+    """torch's own error on a full disk ("unexpected pos ...") becomes one line naming
+    the folder and the size; the partial ckpt-*.tmp goes; the previous checkpoint stays
+    the latest; and once there is room again the next one is written."""
+    import errno
+    import logging
+
+    writer = CheckpointWriter(tiny_fs, every=60.0)
+    writer.save(_state(1.0), step=1, progress=1, replicas=1, wait=True)
+    big = {**_state(2.0), "table": torch.zeros(1_000_000)}  # 4 MB
+    with caplog.at_level(logging.ERROR, logger="pollux_launch.elastic.checkpoint"):
+        writer.save(big, step=2, progress=2, replicas=1, wait=True)
+        writer.save(big, step=3, progress=3, replicas=1, wait=True)  # (said once)
+    assert isinstance(writer.error, OSError) and writer.error.errno == errno.ENOSPC
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"no space left on {tiny_fs} (checkpoint of 4.0 MB not written; the "
+                    "last good checkpoint is kept)"]
+    assert sorted(p.name for p in tiny_fs.iterdir()) == ["ckpt-00000001", "latest"]
+    assert latest_checkpoint(tiny_fs).step == 1
+    writer.save(_state(4.0), step=4, progress=4, replicas=1, wait=True)
+    assert writer.error is None and latest_checkpoint(tiny_fs).step == 4

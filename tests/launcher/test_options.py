@@ -197,3 +197,70 @@ def test_deepspeed_scripts_get_local_rank_after_the_script():
         ["python", "-m", "pkg.t", "--local_rank=0", "--x"]
     assert insert_local_rank(["python", "t.py", "--local_rank", "3"], 0) == \
         ["python", "t.py", "--local_rank", "3"]
+
+
+# -- one definition of the spec's bounds -------------------------------------------------
+def test_the_command_lines_bounds_are_the_specs_own():
+    """Each flag that sets a field of the job's spec is held to the bounds its readers
+    check (messages.JobSpec): the highest they accept passes, anything above is one line."""
+    from pollux_launch.launcher.options import SPEC_FLAGS
+    from pollux_launch.messages import JobSpec, field_range
+
+    lo, hi = field_range(JobSpec, "stop_grace")
+    assert parse_launch_args(["--restart-grace", str(hi), "-np", "1", "python"]
+                             ).stop_grace == hi
+    with pytest.raises(OptionsError, match=rf"^--restart-grace {hi + 0.5!r}: must lie in "
+                                           rf"\[{lo:.0f}, {hi:.0f}\]$"):
+        parse_launch_args(["--restart-grace", str(hi + 0.5), "-np", "1", "python"])
+    lo, hi = field_range(JobSpec, "max_restarts")
+    with pytest.raises(OptionsError, match=rf"--max-restarts {hi + 1:.0f}: must lie in"):
+        parse_launch_args(["--max-restarts", str(int(hi) + 1), "-np", "2", "python"])
+    assert SPEC_FLAGS["stop_grace"] == "--restart-grace"
+
+
+def test_a_spec_no_reader_would_take_is_refused_before_the_store_is_touched(tmp_path):
+    """The launcher checks its spec with the readers' own decoding (messages.checked):
+    what slips past the flags' checks (here: a spec above the readers' size limit) is one
+    line, and nothing is written - not even the store's file."""
+    import dataclasses
+
+    from pollux_launch.launcher.run import launch
+    from pollux_launch.messages import MAX_VALUE_BYTES
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    opts = parse_launch_args(["--store", url, "-np", "1", "python", "-c", "pass"], cwd=tmp_path)
+    too_big = dataclasses.replace(opts, command=(*opts.command, "#" * MAX_VALUE_BYTES))
+    with pytest.raises(OptionsError, match=r"the job's spec: JobSpec: \d+ bytes, more than") \
+            as info:
+        launch(too_big)
+    assert "\n" not in str(info.value) and "every reader would refuse" in str(info.value)
+    out_of_bounds = dataclasses.replace(opts, stop_grace=4000.0)  # (past the flag's check)
+    with pytest.raises(OptionsError, match=r"^--restart-grace: JobSpec.stop_grace: 4000.0 is "
+                                           r"outside \[0, 3600\]"):
+        launch(out_of_bounds)
+    assert not (tmp_path / "store.db").exists()
+
+
+def test_policy_names_come_from_the_registry_and_are_for_local_mode():
+    from pollux_launch.policy import DEFAULT_POLICY, POLICIES
+
+    assert parse_launch_args(["--policy", DEFAULT_POLICY, "python"]).policy == DEFAULT_POLICY
+    with pytest.raises(OptionsError) as info:
+        parse_launch_args(["--policy", "nope", "python"])
+    assert all(name in str(info.value) for name in POLICIES)
+    with pytest.raises(OptionsError, match="coordinator service's policy"):
+        parse_launch_args(["--store", "etcd://127.0.0.1:2379", "--policy", DEFAULT_POLICY,
+                           "python"])
+
+
+def test_an_agents_address_is_an_ip_address_or_a_name_that_resolves():
+    import argparse
+
+    from pollux_launch.arguments import node_address
+
+    for good in ("10.0.0.7", "::1", "fe80::1%eth0", "localhost"):
+        assert node_address(good) == good
+    for bad, needle in (("999.1.1.1", "neither"), ("a b", "neither"), ("10.0.0", "neither"),
+                        ("-x.example", "neither"), ("no-such-host.invalid", "does not resolve")):
+        with pytest.raises(argparse.ArgumentTypeError, match=needle):
+            node_address(bad)

@@ -134,3 +134,21 @@ def test_a_finished_job_set_back_to_pending_is_not_run_again(cluster):
         second.step()
     assert not (tmp / "once.txt").exists()
     assert status("once").exit_code == REFUSED and "replay" in status("once").message
+
+
+def test_a_secret_file_others_may_read_is_warned_about_in_one_line(tmp_path, caplog):
+    """Like ssh's "UNPROTECTED PRIVATE KEY FILE", but one line, and a warning (a cluster
+    may share its secret as a group-readable file): never the secret itself."""
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    for mode, warned in ((0o644, True), (0o640, True), (0o600, False), (0o400, False)):
+        path.chmod(mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pollux_launch.launcher.security"):
+            assert security.load_secret(str(path)) == SECRET
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == int(warned), (oct(mode), said)
+        for line in said:
+            assert f"secret file {path} is accessible by group or others (mode {mode:04o})" \
+                in line and f"chmod 600 {path}" in line
+            assert "\n" not in line and SECRET.decode() not in line
