@@ -84,6 +84,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REFUSED = 126  # the exit code of a job a node agent refused to run (admission.py)
+# seconds a worker's completion is kept for a job whose spec is not in the store: removed
+# (then it is dropped), or a new store its launcher resubmits it to within seconds
+ABSENT_GRACE = 60.0
+
+
+class _JobAbsent(Exception):
+    """The job's spec is not in the store (its report is kept for a while: _reap)."""
 _LEAVES = {"spec": JobSpec, "status": JobStatus, "allocation": Allocation, "signature": None}
 # leaves kept as text for completion.py: its workers' records, its group, its rounds
 _RAW = (keys.FINISHED, "generation", "rdzv/round")
@@ -160,6 +167,7 @@ class NodeAgent:
         self._epoch = Epoch()
         # exits reaped but not reported yet (a store error): (job, side, driver, exit)
         self._unreported: list[tuple[str, Side, JobDriver, ProcessExit]] = []
+        self._absent: dict[tuple[str, str], float] = {}  # (job, worker) -> first seen absent
 
     @property
     def registers(self) -> bool:
@@ -406,16 +414,30 @@ class NodeAgent:
 
     def _reap(self) -> None:
         """Reap ended processes and report each exit (in order; an exit whose report hit a
-        store error is reported again at the next pass, not lost with the process)."""
+        store error is reported again at the next pass, not lost with the process; so is a
+        completion of a job whose spec is absent, for ``ABSENT_GRACE``)."""
         for (name, side), driver in list(self.drivers.items()):
             for ended in driver.reap(lambda name=name: self._allocation(name)):
                 self.exits.append((name, ended.worker_id, ended.code))
                 log.info("job %s process %s exited %d (%s)", name, ended.worker_id, ended.code,
                          ended.kind)
                 self._unreported.append((name, side, driver, ended))
-        while self._unreported:
-            self._report(*self._unreported[0])
-            self._unreported.pop(0)
+        pending, self._unreported = self._unreported, []
+        for i, item in enumerate(pending):
+            try:
+                self._report(*item)
+            except _JobAbsent:
+                since = self._absent.setdefault((item[0], item[3].worker_id), time.monotonic())
+                if time.monotonic() - since < ABSENT_GRACE:
+                    self._unreported.append(item)  # (in order: reported at a later pass)
+                else:
+                    log.info("job %s is gone: the completion of %s is not recorded", item[0],
+                             item[3].worker_id)
+            except BaseException:  # a store error: this one and the rest at the next pass
+                self._unreported += pending[i:]
+                raise
+            else:
+                self._absent.pop((item[0], item[3].worker_id), None)
 
     def _report(self, name: str, side: Side, driver: JobDriver, ended: ProcessExit) -> None:
         if ended.kind == "finished" and side == "launcher":  # (e.g. horovodrun's)
@@ -442,7 +464,7 @@ class NodeAgent:
                               self.clock())
         if not self.store.txn([keys.job_exists(name)],
                               [Put(keys.job_finished(name, ended.worker_id), encode(mark))]):
-            return  # the job is gone: nothing to complete
+            raise _JobAbsent(name)  # gone, or in a wiped store not yet resubmitted
         view = self._read_jobs(keys.job(name)).get(name)
         if view is None or view.spec is None:
             return

@@ -128,3 +128,25 @@ def test_a_spec_the_coordinator_refuses_ends_its_launcher_with_the_reason(store)
     assert store.get(keys.job("slow-stop", "allocation")) is None  # never placed
     status = decode(JobStatus, store.get(keys.job("slow-stop", "status")).value)
     assert status.finished and _listed(render(store)) == {"slow-stop"}
+
+
+def test_a_completion_waits_for_a_spec_a_wiped_store_gets_back(store, etcd_server,
+                                                             store_prefix, monkeypatch):
+    """A worker completes while its job's spec is absent - the store was wiped and the
+    launcher has not submitted it again yet: its completion is kept and recorded once the
+    spec is back; for a job that stays gone it is dropped after the grace, writing nothing."""
+    from pollux_launch.launcher import node_agent
+    from pollux_launch.launcher.drivers import ProcessExit
+
+    agent = NodeAgent(store, NodeInfo("n1", 1), etcd_server.url, store_prefix, poll=0.1)
+    agent._unreported.append(("back", "node", None, ProcessExit("w1", 0, "finished")))
+    agent._reap()
+    assert store.get_prefix(keys.job("back")) == [] and len(agent._unreported) == 1
+    _job(store, "back", "running", Allocation(1, ("n1",)))  # the launcher's resubmission
+    agent._reap()
+    assert store.get(keys.job_finished("back", "w1")) is not None and not agent._unreported
+
+    monkeypatch.setattr(node_agent, "ABSENT_GRACE", 0.0)
+    agent._unreported.append(("gone", "node", None, ProcessExit("w2", 0, "finished")))
+    agent._reap()
+    assert not agent._unreported and store.get_prefix(keys.job("gone")) == []
