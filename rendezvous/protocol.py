@@ -624,16 +624,14 @@ class Rendezvous:
 
     # -- lease and watcher -------------------------------------------------------------------
 
-    def _ensure_lease(self, force: bool = False) -> bool:
+    def _ensure_lease(self, force: bool = False) -> None:
         """Register again if the lease was lost (its keys are gone: others may already
-        have re-formed without this worker, which then finds itself removed); True if
-        it did."""
+        have re-formed without this worker, which then finds itself removed); the
+        watcher then reads the store afresh (``_registered``)."""
         with self._lease_lock:
             if force or self._keeper is None or self._keeper.expired.is_set():
                 log.warning("worker %s: lease lost; registering again", self.worker)
                 self._register()
-                return True
-        return False
 
     def _register(self) -> None:
         """Grant a lease, publish the worker under it and keep it alive."""
@@ -654,8 +652,8 @@ class Rendezvous:
             try:
                 # a lost lease may mean a new, empty store, whose revisions start again:
                 # look afresh rather than wait for a revision it may not reach for long
-                need_full = self._ensure_lease() or need_full
-                if self._registered.is_set():  # registered again, maybe by the main thread
+                self._ensure_lease()
+                if self._registered.is_set():  # registered again (here or by the main thread)
                     self._registered.clear()
                     need_full = True
                 if need_full:

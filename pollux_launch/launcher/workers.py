@@ -346,12 +346,16 @@ class WorkerGroup:
     def _say(self, *parts: str) -> None:
         """Print one line (given in ``parts``) to stdout and the job's log."""
         with self._lock:
+            self._write(*parts)
+
+    def _write(self, *parts: str) -> None:
+        """``_say`` with ``self._lock`` held already."""
+        for part in parts:
+            self.stdout.write(part)
+        self.stdout.flush()
+        if self.log_sink is not None:
             for part in parts:
-                self.stdout.write(part)
-            self.stdout.flush()
-            if self.log_sink is not None:
-                for part in parts:
-                    self.log_sink.write(part)
+                self.log_sink.write(part)
 
     def _switch(self, worker: Worker, stream: _Stream, seq: int, rank: str) -> None:
         """The worker announced (``seq``) that its next lines are rank ``rank``'s: said
@@ -360,12 +364,8 @@ class WorkerGroup:
             if seq > worker.mark_seq:
                 worker.mark_seq = seq
                 if rank != worker.label:
-                    note = (f"[pollux] worker {worker.worker_id} is now rank {rank} "
-                            f"(was {worker.label})\n")
-                    self.stdout.write(note)
-                    self.stdout.flush()
-                    if self.log_sink is not None:
-                        self.log_sink.write(note)
+                    self._write(f"[pollux] worker {worker.worker_id} is now rank {rank} "
+                                f"(was {worker.label})\n")
                 worker.label = rank
         if rank != stream.label and stream.copy is not None:
             self._copy(stream, ("\n" if stream.midline else "") + f"[pollux] worker "
