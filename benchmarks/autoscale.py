@@ -78,7 +78,7 @@ from pollux_launch.sim.traces import (
     load_model,
     parse_numbers,
 )
-from pollux_launch.sim.workload import JobSpec, load_workload
+from pollux_launch.sim.workload import TraceJob, load_workload
 
 JCT_BUDGET = 1.06  # the paper: 25 % cheaper at only 6 % longer
 COST_GOAL = 0.75
@@ -107,7 +107,7 @@ def _imagenet_run(model: str, scale: AutoscaleConfig | None, nodes: int, gpn: in
                   boot: float, batch: int | None = None) -> SimResult:
     """One ImageNet job; ``batch``: a fixed total batch size (Or et al.), else adaptive."""
     cfg = config_for(model, nodes=nodes, gpus_per_node=gpn, autoscale=scale, boot_time=boot)
-    spec = JobSpec("imagenet-0", 0.0, "imagenet", min_batch_size=batch, max_batch_size=batch)
+    spec = TraceJob("imagenet-0", 0.0, "imagenet", min_batch_size=batch, max_batch_size=batch)
     return run_specs([spec], None, cfg)
 
 

@@ -8,8 +8,8 @@ the same ~1M-parameter MLP as the native benchmark (batch 32, SGD with momentum)
 driver plays the coordinator: it rewrites the job's allocation in a real embedded store;
 a :class:`HostsFileMirror` turns it into the hosts file that Horovod's discovery script
 (``cat``) reports. Cycles ``high -> low -> high``, ``--repeats`` times. As pollux-run's
-local mode does (adapters/horovod/driver.py), newcomers are pre-started
-(adapters/horovod/warm.py): horovodrun runs each worker through the hand-off shim, the
+local mode does (adapters/horovod/launch/driver.py), newcomers are pre-started
+(adapters/horovod/launch/warm.py): horovodrun runs each worker through the hand-off shim, the
 first grow starts the job's warm zygote (torch and horovod imported), and the mirror
 reports the grown hosts only once it is ready, so a newcomer is a fork that runs the
 script from its first line with its imports done; horovodrun runs from its entry point
@@ -213,7 +213,7 @@ def discovery_cost(runs: int = 10) -> dict:
     """Median seconds per call of the two discovery paths Horovod's driver could poll:
     ``cat`` of a mirrored hosts file, and the Python entry point reading the store."""
     from pollux_launch import keys
-    from pollux_launch.adapters.horovod.hosts import write_discovery_script, write_hosts_file
+    from pollux_launch.adapters.horovod.launch.hosts import write_discovery_script, write_hosts_file
     from pollux_launch.messages import Allocation, encode
     from pollux_launch.rendezvous.store import open_store
 
@@ -226,7 +226,8 @@ def discovery_cost(runs: int = 10) -> dict:
         script = write_discovery_script(tmp / "discover.sh", tmp / "hosts")
         cmds = {
             "discovery_cat_s": [str(script)],
-            "discovery_python_s": [sys.executable, "-m", "pollux_launch.adapters.horovod.discover",
+            "discovery_python_s": [sys.executable, "-m",
+                                   "pollux_launch.adapters.horovod.launch.discover",
                                    "--store", url, "--job", JOB],
         }
         out = {}
@@ -250,12 +251,12 @@ def measure(
     from tqdm import tqdm
 
     from pollux_launch import keys
-    from pollux_launch.adapters.horovod.command import (
+    from pollux_launch.adapters.horovod.launch.command import (
         horovodrun_command,
         write_horovodrun_script,
     )
-    from pollux_launch.adapters.horovod.hosts import HostsFileMirror, write_discovery_script
-    from pollux_launch.adapters.horovod.warm import WarmStart
+    from pollux_launch.adapters.horovod.launch.hosts import HostsFileMirror, write_discovery_script
+    from pollux_launch.adapters.horovod.launch.warm import WarmStart
     from pollux_launch.messages import Allocation, encode
     from pollux_launch.rendezvous.store import open_store
 

@@ -655,7 +655,7 @@ def write_calibration(path: str, result: dict, args: argparse.Namespace) -> dict
 def _horovod_side(args: argparse.Namespace, url: str) -> dict:
     """Horovod Elastic's pauses (its own horovodrun and embedded store; ``url`` unused)."""
     from pollux_launch.adapters.horovod import horovod_available
-    from pollux_launch.adapters.horovod.command import HOROVOD_INSTALL_HINT
+    from pollux_launch.adapters.horovod.launch.command import HOROVOD_INSTALL_HINT
 
     if not horovod_available():
         sys.exit(f"error: {HOROVOD_INSTALL_HINT}")

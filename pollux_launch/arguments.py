@@ -14,11 +14,13 @@ import re
 import socket
 from typing import NoReturn
 
+from pollux_launch.errors import UserError
+
 from . import keys
 from .messages import MAX_REPLICAS, MAX_SLOTS
 
 
-class OptionsError(ValueError):
+class OptionsError(UserError, ValueError):
     """Bad command-line input; the message is one line that says how to fix it."""
 
 

@@ -17,11 +17,16 @@ import argparse
 import json
 from pathlib import Path
 
+from .errors import UserError
 from .policy.rescale_cost import RescaleCost
 
 VERSION = 1
 BUNDLED = Path(__file__).parent / "data" / "rescale_calibration.json"
 _MAX_BYTES = 1 << 20
+
+
+class CalibrationError(UserError, ValueError):
+    """A rescale-calibration file that cannot be read or is not one."""
 
 
 def add_calibration_argument(parser: argparse.ArgumentParser) -> None:
@@ -32,21 +37,21 @@ def add_calibration_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def load_rescale_cost(path: str | Path | None = None) -> RescaleCost:
-    """The costs in ``path`` (None: the bundled calibration). Raises ``ValueError``
-    with one line naming the file and the problem."""
+    """The costs in ``path`` (None: the bundled calibration). Raises ``CalibrationError``
+    (a ValueError) with one line naming the file and the problem."""
     path = Path(path) if path is not None else BUNDLED
     try:
         raw = path.read_bytes()[: _MAX_BYTES + 1]
         if len(raw) > _MAX_BYTES:
-            raise ValueError("larger than 1 MiB")
+            raise CalibrationError("larger than 1 MiB")
         data = json.loads(raw)
         if not isinstance(data, dict) or data.get("version") != VERSION:
-            raise ValueError(f"expected a JSON object with \"version\": {VERSION}")
+            raise CalibrationError(f"expected a JSON object with \"version\": {VERSION}")
         return RescaleCost.from_dict(data)
     except OSError as exc:
-        raise ValueError(f"cannot read rescale calibration {path}: {exc.strerror}") from None
+        raise CalibrationError(f"cannot read rescale calibration {path}: {exc.strerror}") from None
     except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
-        raise ValueError(f"bad rescale calibration {path}: {exc}; re-create it with "
+        raise CalibrationError(f"bad rescale calibration {path}: {exc}; re-create it with "
                          "benchmarks/rescale.py --write-calibration") from None
 
 

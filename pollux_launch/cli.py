@@ -25,14 +25,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Errors a user can cause end as one line (no traceback) and exit code 2.
-    from .arguments import OneLineParser, OptionsError
-    from .launcher.hosts import HostsError
-    from .launcher.security import SecretError
-    from .messages import MessageError
-    from .rendezvous.store import StoreError
+    # Errors a user can cause (UserError) end as one line and exit code 2; anything else,
+    # a bug of ours included, keeps its traceback.
+    from .arguments import OneLineParser
+    from .errors import UserError
 
-    user_errors = (OptionsError, HostsError, SecretError, StoreError, MessageError, ValueError)
     try:
         if argv and argv[0] in SUBCOMMANDS:
             module_name, help_text = SUBCOMMANDS[argv[0]]
@@ -44,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             _print_help()
             return 2
         return _launch(argv)
-    except user_errors as exc:
+    except UserError as exc:
         print(f"pollux-run: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,9 +8,6 @@ contract and keep torchrun's meaning.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
 STORE = "POLLUX_STORE"  # the store URL (never with a password: see store.cli_args)
 PREFIX = "POLLUX_STORE_PREFIX"  # the cluster's key prefix
 DEFAULT_PREFIX = "/pollux"
@@ -48,9 +45,9 @@ POLICIES = "POLLUX_POLICIES"
 MIN_BATCH_SIZE = "POLLUX_MIN_BATCH_SIZE"
 MAX_BATCH_SIZE = "POLLUX_MAX_BATCH_SIZE"
 DEEPSPEED_KEEP_STATE = "POLLUX_DEEPSPEED_KEEP_STATE"  # keep engine.restored_state (tests)
-# Horovod newcomers started warm (adapters/horovod/warm.py): "0" in the launcher's
+# Horovod newcomers started warm (adapters/horovod/launch/warm.py): "0" in the launcher's
 # environment turns it off; the zygote's command (JSON); the socket a hand-off reaches it
-# at (adapters/horovod/handoff.py repeats this one name: it imports nothing of ours)
+# at (adapters/horovod/launch/handoff.py repeats this one name: it imports nothing of ours)
 HVD_WARM = "POLLUX_HVD_WARM"
 HVD_WARM_COMMAND = "POLLUX_HVD_WARM_COMMAND"
 HVD_ZYGOTE = "POLLUX_HVD_ZYGOTE"
@@ -62,54 +59,6 @@ SECRET = "POLLUX_SECRET"
 SECRET_FILE = "POLLUX_SECRET_FILE"
 STORE_PASSWORD = "POLLUX_STORE_PASSWORD"
 SECRETS = (SECRET, SECRET_FILE, STORE_PASSWORD)
-
-
-def own_gpu_index(environ: Mapping[str, str] | None = None) -> int | None:
-    """This worker's own GPU as a device index in what it sees (``GPUS``' position in
-    ``CUDA_VISIBLE_DEVICES``), None where its agent gave it none."""
-    environ = os.environ if environ is None else environ
-    own = environ.get(GPUS)
-    visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-    return visible.index(own) if own and own in visible else None
-
-
-def without_secrets(environ: dict[str, str]) -> dict[str, str]:
-    """``environ`` less the operator's secrets (for every process a job runs)."""
-    return {k: v for k, v in environ.items() if k not in SECRETS}
-
-
-def store_options(environ: Mapping[str, str] | None = None) -> dict[str, object]:
-    """``open_store`` options for a job's process, from the variables above (TLS files,
-    its store user and that user's password, read from its file)."""
-    environ = os.environ if environ is None else environ
-    opts: dict[str, object] = {}
-    for var, name in ((STORE_CA_CERT, "ca_cert"), (STORE_CERT, "cert_cert"),
-                      (STORE_KEY, "cert_key"), (STORE_USER, "user")):
-        if environ.get(var):
-            opts[name] = environ[var]
-    if environ.get(STORE_PASSWORD_FILE):
-        path = environ[STORE_PASSWORD_FILE]
-        try:
-            with open(path) as f:
-                opts["password"] = f.read().strip()
-        except OSError as exc:
-            from .rendezvous.store import StoreError
-
-            raise StoreError(f"${STORE_PASSWORD_FILE} {path}: cannot read it "
-                             f"({exc.strerror})") from None
-    return opts
-
-
-def store_from_env(environ: Mapping[str, str] | None = None, **options: object):
-    """The store a job's process was started with (``POLLUX_STORE``, its prefix, TLS and
-    credentials); ``options`` go to ``open_store`` too (e.g. ``timeout``)."""
-    from .rendezvous.store import StoreError, open_store
-
-    environ = os.environ if environ is None else environ
-    if not environ.get(STORE):
-        raise StoreError(f"{STORE} is not set: start the process with pollux-run")
-    return open_store(environ[STORE], environ.get(PREFIX, DEFAULT_PREFIX),
-                      **{**store_options(environ), **options})
 
 
 # The transports' own variables, set per node from the interface that carries ADDR

@@ -27,7 +27,7 @@ Who writes what (key schema in ``rendezvous/README.md``):
 * ``JobGeneration`` - a restart-elastic job's restarts after a failure (torchrun's
   restart count) and its measured cost of a restart (its node agents).
 * ``WorkerTask`` / ``TaskExit`` - a Horovod worker a job's launcher asks a node's agent to
-  run, and how it ended (``adapters/horovod/tasks.py``).
+  run, and how it ended (``adapters/horovod/launch/tasks.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pollux_launch.errors import UserError
+
 from . import keys
 
 SCHEMA_VERSION = 1
@@ -57,7 +59,7 @@ MAX_BATCH = 1 << 31
 M = TypeVar("M")
 
 
-class MessageError(ValueError):
+class MessageError(UserError, ValueError):
     """A value read from the store is not a well-formed message. ``field``: the name of
     the field whose value is wrong (None: the message as a whole), so that a caller can
     say which of its inputs set it without reading the text."""

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pollux_launch import env as envvars
+from pollux_launch.errors import PolluxError
 from pollux_launch.messages import (
     Allocation,
     JobHints,
@@ -86,6 +87,7 @@ from .store import (
     StoreError,
     StoreUnavailable,
 )
+from .store.environ import store_from_env
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
@@ -95,7 +97,7 @@ ENV_STORE, ENV_PREFIX, ENV_JOB = envvars.STORE, envvars.PREFIX, envvars.JOB
 ENV_NODE, ENV_WORKER_ID, ENV_ADDR = envvars.NODE, envvars.WORKER_ID, envvars.ADDR
 
 
-class RendezvousError(RuntimeError):
+class RendezvousError(PolluxError, RuntimeError):
     """The rendezvous cannot go on; the message says what is wrong and how to fix it."""
 
 
@@ -103,7 +105,7 @@ class RendezvousTimeout(RendezvousError):
     """A round did not fill (or no round came) within the join timeout."""
 
 
-class WorkerRemoved(Exception):
+class WorkerRemoved(PolluxError):
     """This worker is not part of the job's new round: it should exit with status 0.
     Its lease is already revoked and its process group destroyed."""
 
@@ -287,7 +289,7 @@ class Rendezvous:
         wait = _StoreWait(env[ENV_JOB], (config or RendezvousConfig()).join_timeout)
         while True:  # unreachable now (a stall, a restart) is not a reason to give up yet
             try:
-                store = envvars.store_from_env(env, **store_options)
+                store = store_from_env(env, **store_options)
                 break
             except StoreUnavailable as exc:
                 if not wait.again(exc):

@@ -19,15 +19,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pollux_launch import keys
-from pollux_launch.messages import MAX_INT, MAX_REPLICAS, decode, named, within
+from pollux_launch.messages import MAX_INT, MAX_REPLICAS, MessageError, decode, named, within
 
 REASONS = ("allocation", "failure", "membership")
 
 
 def check_name(kind: str, name: object) -> str:
-    """``name`` if it can be one level of a store key, else a one-line ValueError."""
+    """``name`` if it can be one level of a store key, else a one-line MessageError."""
     if not isinstance(name, str) or not keys.NAME.fullmatch(name):
-        raise ValueError(f"bad {kind} {name!r}: use 1-128 characters from A-Z a-z 0-9 _ . @ : + -")
+        raise MessageError(f"bad {kind} {name!r}: use 1-128 characters from "
+                           "A-Z a-z 0-9 _ . @ : + -")
     return name
 
 

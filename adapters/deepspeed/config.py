@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pollux_launch.errors import UserError
+
 SECTION = "pollux"
 # The ds_config keys that the section takes over when enabled.
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
@@ -42,7 +44,7 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
 NO_LR_SCALING = "none"
 
 
-class PolluxConfigError(ValueError):
+class PolluxConfigError(UserError, ValueError):
     """A bad ``"pollux"`` section or a ds_config that conflicts with it (one-line message)."""
 
 

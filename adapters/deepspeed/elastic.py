@@ -36,28 +36,26 @@ from its last checkpoint, if it has a checkpoint directory).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from pollux_launch import env as envvars
-from pollux_launch.elastic.adaptation import resolve_policies
-from pollux_launch.elastic.controller import ElasticController, HintsReporter
+from pollux_launch.elastic.factory import JobDescription, build_controller
 from pollux_launch.elastic.failures import first_line, is_peer_failure
+from pollux_launch.errors import PolluxError
 from pollux_launch.tuning.gns import GradNoise
 from pollux_launch.tuning.profile import ProfileKey, StepProfile
-from pollux_launch.tuning.progress import StatisticalProgress
-from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, batch_range
 
 from .config import NO_LR_SCALING
+from .state import current_world_size
 
 log = logging.getLogger(__name__)
 
 KEEP_STATE_ENV = envvars.DEEPSPEED_KEEP_STATE
 
 
-class PeerFailure(RuntimeError):
+class PeerFailure(PolluxError, RuntimeError):
     """A peer died and this engine's state cannot be rebuilt without it."""
 
 
@@ -79,33 +77,23 @@ class ElasticDeepSpeed:
 
         self.handle, self.job, self.loader = handle, job, loader
         cfg = handle.pollux
-        min_bsz, max_bsz = batch_range(cfg.initial_batch_size, cfg.max_batch_size,
-                                       cfg.min_batch_size)
-        self.config = TunerConfig(
-            init_batch_size=cfg.initial_batch_size,
-            max_batch_size=max_bsz,
-            min_batch_size=min_bsz,
-            local_bsz_bounds=cfg.micro_batch_size_range,
-            gradient_accumulation=cfg.gradient_accumulation,
-            adaptive_batch_size=max_bsz > cfg.initial_batch_size,
-            lr_scaling=cfg.lr_scaling,
-            report_interval=cfg.report_interval,
-            min_gain=min_gain,
-        )
+        description = JobDescription(  # (checks the batch range first)
+            init_batch_size=cfg.initial_batch_size, max_batch_size=cfg.max_batch_size,
+            min_batch_size=cfg.min_batch_size, local_bsz_bounds=cfg.micro_batch_size_range,
+            gradient_accumulation=cfg.gradient_accumulation, lr_scaling=cfg.lr_scaling,
+            report_interval=cfg.report_interval, min_gain=min_gain, decide_every=decide_every,
+            adapt_lr=cfg.lr_scaling != NO_LR_SCALING,
+            dataset_size=len(loader.dataset) if loader is not None else None,
+            policies=policies, identity=job)
+        self.config = description.config
         self.profile = StepProfile(warmup_steps=3)
-        size = len(loader.dataset) if loader is not None else None
-        self.progress = StatisticalProgress(cfg.initial_batch_size, size)
-        self.keep_state = os.environ.get(KEEP_STATE_ENV, "") not in ("", "0")
+        self.keep_state = description.env.environ.get(KEEP_STATE_ENV, "") not in ("", "0")
         self._t_last: float | None = None
-        self.tuner = GoodputTuner(self.config, self.profile, lambda: self.controller.grad,
-                                 self.progress)
-        self.controller = ElasticController(
-            _DeepSpeedHooks(self), self.tuner, JobCollectives(job),
-            membership=job if job.elastic else None,
-            reporter=HintsReporter(lambda: job.store, job.name), loader=loader,
-            decide_every=decide_every, adapt_lr=cfg.lr_scaling != NO_LR_SCALING,
-            checkpoints=checkpoints,
-            policies=resolve_policies(policies, os.environ.get(envvars.POLICIES)))
+        self.controller = build_controller(
+            description, _DeepSpeedHooks(self), JobCollectives(job), self.profile,
+            membership=job.membership(), loader=loader, checkpoints=checkpoints)
+        self.tuner = self.controller.tuner
+        self.progress = self.tuner.progress
         handle.driver = self
         restored = handle.restored_state
         if restored is not None and restored.get("client", {}).get("elastic"):
@@ -192,9 +180,7 @@ class _DeepSpeedHooks:
             return None  # the start: the engine was built for this round already
         if not self._detached:
             handle._detach()
-        from .engine import _world_size
-
-        micro, gas = handle.pollux.initial_micro_batch(_world_size())
+        micro, gas = handle.pollux.initial_micro_batch(current_world_size())
         source = captured if (not from_rank0 or rank == 0) else None
         if source is not None:  # the batch is decided for the new group right after
             source["client"].setdefault("pollux", {})["batch"] = [micro, gas]

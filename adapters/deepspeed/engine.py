@@ -43,7 +43,15 @@ from .config import (
     parse_pollux_config,
 )
 from .gradients import DeepSpeedGradStats
-from .state import EngineState, capture, detach, restore, share_module, state_holders
+from .state import (
+    EngineState,
+    capture,
+    current_world_size,
+    detach,
+    restore,
+    share_module,
+    state_holders,
+)
 
 JOB_ENV = envvars.JOB
 NEWCOMER_WAIT_S = 120.0  # the longest survivors keep training while a grow's newcomers start
@@ -66,12 +74,6 @@ def _without_args_config(args: Any) -> Any:
     args = copy.copy(args)
     args.deepspeed_config = None
     return args
-
-
-def _world_size() -> int:
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
@@ -136,7 +138,7 @@ def _initialize(kwargs: dict[str, Any], distributed_port: int | None, config: An
     if mode == "elastic":
         return _initialize_elastic(deepspeed, kwargs, ds_config, pollux, policies)
     deepspeed.init_distributed(dist_init_required=kwargs["dist_init_required"])
-    world = _world_size()
+    world = current_world_size()
     micro, steps = pollux.initial_micro_batch(world)
     if mode == "handle":
         handle = PolluxEngine(_Recipe.record(kwargs, ds_config), pollux, micro, steps)
@@ -182,7 +184,7 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
             local_bsz_bounds=pollux.micro_batch_size_range,
             gradient_accumulation=pollux.gradient_accumulation, rank=p.rank,
             num_replicas=p.world_size, collate_fn=kwargs.get("collate_fn"))
-    micro, steps = pollux.initial_micro_batch(_world_size())
+    micro, steps = pollux.initial_micro_batch(current_world_size())
     handle = PolluxEngine(recipe, pollux, micro, steps)
     handle.loader = loader
     ElasticDeepSpeed(handle, job, loader, checkpoints=checkpoint_writer(
@@ -316,11 +318,11 @@ class PolluxEngine:
         """Build the engine on the current group and restore ``state`` (collective; a
         newcomer passes None and receives the survivors' state, if there are any)."""
         compat.release_group_caches()
-        holders = state_holders(state is not None) if _world_size() > 1 else None
+        holders = state_holders(state is not None) if current_world_size() > 1 else None
         sync = (compat.module_sync(lambda engine: share_module(engine, holders)) if holders
                 else contextlib.nullcontext())  # (a fresh start: DeepSpeed's broadcast)
         with sync:
-            self.engine = self._recipe.build(_world_size(), micro, steps)[0]
+            self.engine = self._recipe.build(current_world_size(), micro, steps)[0]
         compat.check_supported(self.engine)
         restored = restore(self.engine, state, holders)
         self._attach()
@@ -512,6 +514,6 @@ class PolluxEngine:
             self._release_groups()
             return None
         if micro_batch is None or accumulation_steps is None:
-            micro_batch, accumulation_steps = self.pollux.initial_micro_batch(_world_size())
+            micro_batch, accumulation_steps = self.pollux.initial_micro_batch(current_world_size())
         state["client"]["pollux"]["batch"] = [micro_batch, accumulation_steps]
         return self._build(state, micro_batch, accumulation_steps)

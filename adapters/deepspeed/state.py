@@ -44,6 +44,7 @@ The same format comes out of every ZeRO stage, so states can be compared across 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +58,13 @@ from . import compat
 FORMAT = 1
 MASTER = "__master__"  # a newcomer's received master partition, in state["partitions"]
 EngineState = dict[str, Any]
+
+
+def current_world_size() -> int:
+    """The replicas of the current group (``WORLD_SIZE`` before one is formed)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 # -- capture --------------------------------------------------------------------------

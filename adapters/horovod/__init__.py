@@ -1,17 +1,24 @@
 """Horovod Elastic under pollux-run (installed as ``pollux_launch.adapters.horovod``).
 
-* :mod:`.hosts`     allocation -> ``host:slots``; a hosts-file mirror and ``cat`` discovery
-* :mod:`.discover`  ``python -m pollux_launch.adapters.horovod.discover`` (direct from store)
-* :mod:`.command`   the ``horovodrun`` command line and exit-code rules for the launcher
+Worker side (this package; what a training script imports):
+
 * :mod:`.optimizer` ``DistributedOptimizer``: ``hvd.DistributedOptimizer`` plus step timing
   and the gradient noise scale (Pollux Sec. 3.1-3.2)
 * :mod:`.control`   ``HorovodControl``: the Pollux agent's batch / accumulation / LR
   decisions on every rank and rank 0's hints to the store
 * :mod:`.state`     ``TorchState``: ``hvd.elastic.TorchState`` plus durable checkpoints
   (``checkpoint_dir``, or ``pollux-run --checkpoint-dir``)
-* :mod:`.driver`    ``HorovodDriver``: pollux-run's driver of a Horovod job (one horovodrun)
-* :mod:`.warm`      pre-started newcomers: ``WarmStart`` (a grow's hosts are reported once
-  the job's warm :mod:`.zygote` is ready; each worker goes through the :mod:`.handoff` shim)
+* :mod:`.available` whether Horovod is installed (both sides ask)
+
+Launch side (:mod:`.launch`; what ``pollux-run`` and its node agents run):
+
+* :mod:`.launch.driver`   ``HorovodDriver``: pollux-run's driver of a Horovod job (one
+  horovodrun); :mod:`.launch.tasks` the node agents' side of its workers
+* :mod:`.launch.hosts`    allocation -> ``host:slots``; a hosts-file mirror and discovery
+* :mod:`.launch.discover` ``python -m pollux_launch.adapters.horovod.launch.discover``
+* :mod:`.launch.command`  the ``horovodrun`` command line and exit-code rules
+* :mod:`.launch.warm`     pre-started newcomers: ``WarmStart`` (the job's warm
+  :mod:`.launch.zygote`; each worker goes through the :mod:`.launch.handoff` shim)
 
 This package imports neither torch nor horovod until ``DistributedOptimizer`` is used, so
 the discovery entry point (run every second by Horovod's driver) stays cheap.
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .command import HOROVOD_INSTALL_HINT, horovod_available, require_horovod
+from .available import HOROVOD_INSTALL_HINT, horovod_available, require_horovod
 
 __all__ = [
     "HOROVOD_INSTALL_HINT", "DistributedOptimizer", "HorovodControl", "HorovodMeasurement",

@@ -47,7 +47,6 @@ import itertools
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,11 +54,11 @@ import torch
 from torch.utils.data import BatchSampler
 
 from pollux_launch import env as envvars
-from pollux_launch.elastic.adaptation import AdaptationPolicy, resolve_policies
-from pollux_launch.elastic.controller import ElasticController, HintsReporter
+from pollux_launch.elastic.adaptation import AdaptationPolicy
+from pollux_launch.elastic.controller import ElasticController
+from pollux_launch.elastic.factory import JobDescription, WorkerEnv, build_controller, job_policies
 from pollux_launch.tuning.gns import GNSEstimator, GradNoise
-from pollux_launch.tuning.progress import StatisticalProgress
-from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, batch_range, default_lr_rule
+from pollux_launch.tuning.tuner import GoodputTuner, default_lr_rule
 
 from .measure import HorovodMeasurement
 
@@ -144,7 +143,8 @@ class HorovodControl:
                 dataset_size = None
         self.dataset_size = dataset_size
         self.on_decision = on_decision
-        self.policies = resolve_policies(policies, os.environ.get(envvars.POLICIES))
+        self._env = WorkerEnv.read()  # pollux-run's word (policies, batch range, store)
+        self.policies = job_policies(policies, self._env)  # a bad one fails here, not later
         self.tuner: GoodputTuner | None = None  # built at the first sync (needs M0)
         self.controller: ElasticController | None = None
         self.lr_factor = 1.0
@@ -222,7 +222,7 @@ class HorovodControl:
     def _start_unsynced(self) -> None:
         """No ``TorchState`` sync started the control (a script without ``hvd.elastic``):
         under pollux-run every rank starts it at its first call here or in ``step()``."""
-        if self.tuner is None and os.environ.get(envvars.JOB):
+        if self.tuner is None and self._env.environ.get(envvars.JOB):
             self.sync()
 
     @property
@@ -243,22 +243,19 @@ class HorovodControl:
         return self.hvd.size() * self.local_bsz * (self.accum_steps + 1)
 
     def _build(self, m0: int) -> None:
-        lo, hi = self.local_bsz_bounds
-        mn, mx = batch_range(m0, max(self._max_batch_size or m0, m0), self._min_batch_size)
-        config = TunerConfig(
-            init_batch_size=m0, max_batch_size=mx, min_batch_size=mn, local_bsz_bounds=(lo, hi),
-            gradient_accumulation=self.gradient_accumulation,
-            adaptive_batch_size=mx > m0, lr_scaling=self.lr_scaling,
-            report_interval=self.report_interval, min_gain=self.min_gain)
-        self.tuner = GoodputTuner(config, self.measurement.profile, self._grad,
-                                 StatisticalProgress(m0, self.dataset_size))
+        description = JobDescription(  # (hints: to the store pollux-run's environment names)
+            init_batch_size=m0, max_batch_size=max(self._max_batch_size or m0, m0),
+            min_batch_size=self._min_batch_size, local_bsz_bounds=tuple(self.local_bsz_bounds),
+            gradient_accumulation=self.gradient_accumulation, lr_scaling=self.lr_scaling,
+            report_interval=self.report_interval, min_gain=self.min_gain,
+            decide_every=self.decide_every, dataset_size=self.dataset_size, env=self._env)
         m = self.measurement
         if m.estimator is None or m.estimator.init_batch_size != m0:
             m.estimator = GNSEstimator(m0, m.smoothing)
-        self.controller = ElasticController(
-            _HorovodHooks(self), self.tuner, _HorovodGroup(self.hvd),
-            reporter=HintsReporter.from_env(), decide_every=self.decide_every,
+        self.controller = build_controller(
+            description, _HorovodHooks(self), _HorovodGroup(self.hvd), m.profile,
             policies=self.policies)
+        self.tuner = self.controller.tuner
 
     def _grad(self) -> GradNoise | None:
         return self.controller.grad if self.controller is not None else None

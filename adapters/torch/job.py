@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pollux_launch import env as envvars
+from pollux_launch.elastic.protocols import MemberRemoved
 from pollux_launch.rendezvous.protocol import (
     ENV_JOB,
     GroupInfo,
@@ -33,7 +35,17 @@ from pollux_launch.rendezvous.protocol import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticJob", "JobCollectives", "Placement", "WorkerRemoved", "current_job", "init"]
+__all__ = ["ElasticJob", "JobCollectives", "JobMembership", "Placement", "WorkerRemoved",
+           "current_job", "init"]
+
+
+def own_gpu_index(environ: Mapping[str, str] | None = None) -> int | None:
+    """This worker's own GPU as a device index in what it sees (``GPUS``' position in
+    ``CUDA_VISIBLE_DEVICES``), None where its agent gave it none."""
+    environ = os.environ if environ is None else environ
+    own = environ.get(envvars.GPUS)
+    visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    return visible.index(own) if own and own in visible else None
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,10 @@ class ElasticJob:
         """Collective: True on every rank when any rank saw a reason to re-form."""
         return self.rdzv.should_rescale() if self.rdzv else False
 
+    def membership(self) -> JobMembership | None:
+        """This job as the elastic controller's ``Membership``; None for a static job."""
+        return JobMembership(self) if self.elastic else None
+
     def credit_resumed(self, progress: float) -> None:
         """The job resumed from a checkpoint with this progress (``JobRestarts``)."""
         if self.rdzv is not None:
@@ -99,6 +115,43 @@ class ElasticJob:
     def _placement(info: GroupInfo) -> Placement:
         return Placement(info.rank, info.world_size, info.num_nodes, info.local_rank,
                          info.local_world_size, info.round)
+
+
+class JobMembership:
+    """An elastic ``ElasticJob`` as the controller's ``elastic.protocols.Membership``:
+    the rendezvous's ``WorkerRemoved`` becomes the controller's ``MemberRemoved`` (the
+    controller knows nothing of the rendezvous)."""
+
+    def __init__(self, job: ElasticJob) -> None:
+        self.job = job
+
+    @property
+    def elastic(self) -> bool:
+        return self.job.elastic
+
+    @property
+    def name(self) -> str | None:
+        return self.job.name
+
+    @property
+    def store(self) -> Any:
+        return self.job.store
+
+    def rescale_due(self) -> bool:
+        return self.job.rescale_due()
+
+    def next_round(self) -> GroupInfo:
+        """The job's next round; raises ``MemberRemoved`` when this worker is not in it."""
+        try:
+            return self.job.next_round()
+        except WorkerRemoved as exc:
+            raise MemberRemoved(str(exc)) from exc
+
+    def credit_resumed(self, progress: float) -> None:
+        self.job.credit_resumed(progress)
+
+    def close(self) -> None:
+        self.job.close()
 
 
 class JobCollectives:
@@ -196,7 +249,7 @@ def current_job() -> ElasticJob:
 def _pin_device() -> None:
     """Make the GPU this worker's agent gave it the current CUDA device, for good: a
     process keeps its device across rounds (its CUDA context and tensors live there)."""
-    index = envvars.own_gpu_index()
+    index = own_gpu_index()
     if index is not None and torch.cuda.is_available():
         torch.cuda.set_device(index)
 
@@ -204,7 +257,7 @@ def _pin_device() -> None:
 def _export_env(p: Placement, info: GroupInfo) -> None:
     # LOCAL_RANK indexes the worker's own GPU where its agent gave it one (it never moves:
     # a torchrun-style cuda:LOCAL_RANK after a rescale must not land on another's GPU)
-    device = envvars.own_gpu_index()
+    device = own_gpu_index()
     local_rank = p.local_rank if device is None else device
     os.environ.update({
         "RANK": str(p.rank), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(local_rank),

@@ -44,20 +44,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from pollux_launch import env as envvars
-from pollux_launch.elastic.adaptation import AdaptationPolicy, resolve_policies
-from pollux_launch.elastic.controller import (
-    ElasticController,
-    HintsReporter,
-    checkpoint_writer,
-)
+from pollux_launch.elastic.adaptation import AdaptationPolicy
+from pollux_launch.elastic.controller import checkpoint_writer
+from pollux_launch.elastic.factory import JobDescription, build_controller
 from pollux_launch.rendezvous.process_group import (
     broadcast_state,
     release_at_exit,
@@ -66,8 +61,7 @@ from pollux_launch.rendezvous.process_group import (
 )
 from pollux_launch.tuning.gns import GradNoise
 from pollux_launch.tuning.hooks import attach_measurement
-from pollux_launch.tuning.progress import StatisticalProgress
-from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, batch_range, default_lr_rule
+from pollux_launch.tuning.tuner import default_lr_rule
 
 from .data import AdaptiveDataLoader
 from .job import ElasticJob, JobCollectives, init
@@ -103,33 +97,22 @@ class ElasticTrainer:
         self._extra: dict[str, Any] = {}
         self._ddp: DistributedDataParallel | None = None
         self._discard = False  # the forward of this micro-batch met a peer's failure
-        min_bsz, max_bsz = batch_range(loader.init_batch_size, loader.max_batch_size,
-                                       loader.min_batch_size)
-        config = TunerConfig(
-            init_batch_size=loader.init_batch_size,
-            max_batch_size=max_bsz,
-            min_batch_size=min_bsz,
-            local_bsz_bounds=loader.local_bsz_bounds,
+        description = JobDescription(  # (checks the batch range first)
+            init_batch_size=loader.init_batch_size, max_batch_size=loader.max_batch_size,
+            min_batch_size=loader.min_batch_size, local_bsz_bounds=loader.local_bsz_bounds,
             gradient_accumulation=loader.gradient_accumulation,
-            adaptive_batch_size=max_bsz > loader.init_batch_size,
             lr_scaling=default_lr_rule(optimizer) if lr_scaling == "auto" else lr_scaling,
-            report_interval=report_interval,
-            min_gain=min_gain,
-        )
+            report_interval=report_interval, min_gain=min_gain, decide_every=decide_every,
+            dataset_size=len(loader.dataset), policies=policies, identity=self.job)
         p = self.job.placement
-        self.hooks = attach_measurement(model, optimizer, config.init_batch_size,
+        self.hooks = attach_measurement(model, optimizer, description.init_batch_size,
                                         grad_scaler=grad_scaler, num_nodes=p.num_nodes,
                                         num_replicas=p.world_size, local_bsz=loader.local_bsz)
-        progress = StatisticalProgress(config.init_batch_size, len(loader.dataset))
-        self.tuner = GoodputTuner(config, self.hooks.profile, lambda: self.controller.grad,
-                                 progress)
-        self.controller = ElasticController(
-            _TorchHooks(self), self.tuner, JobCollectives(self.job),
-            membership=self.job if self.job.elastic else None,
-            reporter=HintsReporter(lambda: self.job.store, self.job.name), loader=loader,
-            decide_every=decide_every,
-            checkpoints=checkpoint_writer(checkpoint_dir, checkpoint_interval),
-            policies=resolve_policies(policies, os.environ.get(envvars.POLICIES)))
+        self.controller = build_controller(
+            description, _TorchHooks(self), JobCollectives(self.job), self.hooks.profile,
+            membership=self.job.membership(), loader=loader,
+            checkpoints=checkpoint_writer(checkpoint_dir, checkpoint_interval))
+        self.tuner = self.controller.tuner
         loader.on_step_boundary = self._on_boundary
         release_at_exit(self._release_group)
         info = self.job.info

@@ -28,6 +28,7 @@ from ..arguments import (
     slots,
 )
 from ..calibration import add_calibration_argument, load_rescale_cost
+from ..errors import UserError
 from ..policy import DEFAULT_POLICY, POLICIES, make_policy
 from ..policy.rescale_cost import DEFAULT_STATE_BYTES
 from ..rendezvous.store.cli_args import DEFAULT_URL, add_store_arguments, open_from_args
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         admission = admission_from_args(args)
         autoscale = autoscale_from_args(args)
         provisioner = _provisioner(args) if autoscale is not None else None
-    except ValueError as exc:  # (OptionsError is one): one line, exit 2
+    except UserError as exc:  # one line, exit 2 (a bug keeps its traceback)
         logging.error("%s", exc)
         return 2
     interval = args.interval or cost.round_interval("live")

@@ -55,14 +55,19 @@ def prior_speedup(initial_replicas: int, up_to: int | None = None) -> SpeedupFn:
     return speedup
 
 
-def model_speedup(hints: JobHints) -> SpeedupFn | None:
-    """The goodput-based speedup function of a job's hints, or None without a model."""
+def model_speedup(hints: JobHints, *, single_replica_accumulation: bool = False
+                  ) -> SpeedupFn | None:
+    """The goodput-based speedup function of a job's hints, or None without a model.
+    ``single_replica_accumulation``: the job's agent takes >= 2 micro-batches on one
+    replica above M0 (the Pollux agent, which the simulator can simulate; pollux-launch's
+    agent does not: see ``GoodputFunction``)."""
     if not hints.perf_params or hints.grad_sqr is None or hints.grad_var is None:
         return None
     goodput_fn = GoodputFunction(
         PerfParams(**hints.perf_params),
         GradParams(sqr=hints.grad_sqr, var=hints.grad_var),
         hints.init_batch_size,
+        single_replica_accumulation=single_replica_accumulation,
     )
     return SpeedupFunction(
         goodput_fn,
@@ -114,13 +119,17 @@ def job_info(
     cost: RescaleCost | None = None,
     live_delay: float | None = None,
     throughput_fn: SpeedupFn | None = None,
+    cap_unmodelled: bool = False,
 ) -> JobInfo:
     """The policy's view of one job. ``speedup_fn`` is the caller's memoised
     ``model_speedup(hints)`` (fitting and memo tables are worth keeping across rounds);
     ``generation``: a restart-elastic job's measured restart cost; ``cost``: the
     calibrated rescale costs (None: the built-in ones); ``live_delay``: the operator's
     fixed delta for live jobs (``--realloc-delay``), overriding the calibration;
-    ``throughput_fn``: the caller's memoised ``model_throughput(hints)``."""
+    ``throughput_fn``: the caller's memoised ``model_throughput(hints)``;
+    ``cap_unmodelled``: hold a job that reports goodput but has no model yet to the
+    exploration cap too (Pollux's scheduler: ``-np``, at least one GPU, until it has run
+    on more), instead of leaving its size to its prior (the simulator's default)."""
     max_replicas = spec.max_replicas
     delay = None
     state = DEFAULT_STATE_BYTES  # (the job's own is unknown: its measured pause is better)
@@ -137,11 +146,14 @@ def job_info(
             delay = measured
         else:
             delay = (cost or RescaleCost()).expected_stall("live", state, replicas)
+    explore = speedup_fn is not None and hints is not None  # a model came with hints
     if speedup_fn is None:
         speedup_fn = prior_speedup(spec.initial_replicas,
                                    None if spec.reports_goodput else spec.max_replicas)
-    elif hints is not None:
-        cap = max(exploration_cap(hints.max_profiled_replicas), spec.initial_replicas)
+        explore = cap_unmodelled and spec.reports_goodput
+    if explore:
+        profiled = hints.max_profiled_replicas if hints is not None else 0
+        cap = max(exploration_cap(profiled), spec.initial_replicas)
         max_replicas = min(max_replicas, cap)
     lo, hi = wanted_range(spec, hints, max_replicas)
     running = allocation is not None and allocation.num_replicas > 0

@@ -28,12 +28,16 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 
+from pollux_launch.arguments import OptionsError
+from pollux_launch.errors import PolluxError
+from pollux_launch.registry import Registry
+
 log = logging.getLogger(__name__)
 
 SLURM_PREFIX = "pollux-"  # a slurm node's name: pollux-<batch job id>
 
 
-class ProvisionerError(RuntimeError):
+class ProvisionerError(PolluxError, RuntimeError):
     """A provisioner call failed (one line: what, and the command's last words)."""
 
 
@@ -94,7 +98,7 @@ class CommandProvisioner(Provisioner):
     def __init__(self, command: str, timeout: float = 300.0) -> None:
         self.argv = shlex.split(command)
         if not self.argv:
-            raise ValueError("--provisioner command needs --provisioner-command EXE")
+            raise OptionsError("--provisioner command needs --provisioner-command EXE")
         self.timeout = timeout
 
     def up(self, count: int) -> None:
@@ -140,13 +144,13 @@ class SlurmProvisioner(Provisioner):
             _run([self.scancel, *ids], self.timeout)
 
 
-PROVISIONERS: dict[str, Callable[..., Provisioner]] = {
-    "command": CommandProvisioner, "slurm": SlurmProvisioner}
+#: name -> factory(**options) of a Provisioner
+PROVISIONERS: Registry[Callable[..., Provisioner]] = Registry("provisioner", check=callable)
+PROVISIONERS.register("command", CommandProvisioner)
+PROVISIONERS.register("slurm", SlurmProvisioner)
 
 
 def make_provisioner(name: str, **options: object) -> Provisioner:
-    """The provisioner called ``name`` (ValueError, one line, for an unknown one)."""
-    if name not in PROVISIONERS:
-        raise ValueError(f"unknown provisioner {name!r}: choose one of "
-                         f"{', '.join(sorted(PROVISIONERS))}")
-    return PROVISIONERS[name](**options)
+    """The provisioner called ``name`` (UnknownName, a one-line ValueError, for an
+    unknown one)."""
+    return PROVISIONERS.get(name)(**options)

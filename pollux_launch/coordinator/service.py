@@ -18,12 +18,12 @@ Protocol (keys in ``pollux_launch.keys``):
    limit; jobs that shrink first) conditioned on the leader key still having that create
    revision and our value, so a deposed leader never writes; node agents never go back
    from an allocation of a newer term to an older one.
+3. Rounds run every ``interval`` seconds and at once (after ``settle`` seconds, to batch
+   bursts) when a job is submitted or finishes, or a node joins or leaves.
 4. Slots are held by processes, not by decisions: each node record carries its agent's
    count of live workers per job, and slots still held by workers that an allocation
    no longer places there (leaving, or left over from before a coordinator restart) are
    not offered to other jobs until the agent says they exited.
-3. Rounds run every ``interval`` seconds and at once (after ``settle`` seconds, to batch
-   bursts) when a job is submitted or finishes, or a node joins or leaves.
 
 Nodes are presumed dead only after a grace period (``node_grace``, like Kubernetes'
 node monitor grace period): a node whose record vanished - its agent died, or its lease

@@ -50,18 +50,21 @@ import math
 import re
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from pollux_launch.errors import UserError
+from pollux_launch.registry import Registry
+
 if TYPE_CHECKING:
     from pollux_launch.tuning.gns import GradNoise
     from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig
 
-    from .controller import ElasticController
+    from .protocols import ControlledJob
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ _SPEC = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
                    r"(?::[A-Za-z_][A-Za-z0-9_]*)?")
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError, ValueError):
     """A policy cannot be loaded or an action is malformed (one line: what and how to fix)."""
 
 
@@ -168,7 +171,7 @@ class PolicyContext:
     rescales. Metrics are this worker's unless said otherwise; combine them with the
     collectives."""
 
-    def __init__(self, controller: ElasticController) -> None:
+    def __init__(self, controller: ControlledJob) -> None:
         # a weak reference: the controller holds this context, and a cycle would keep a
         # finished controller (and its model and process group) alive until the cycle
         # collector runs, possibly after the group was destroyed
@@ -449,19 +452,32 @@ class GoodputPolicy(AdaptationPolicy):
             ctx.set_batch(m, s)
 
 
-BUILTIN: dict[str, type[AdaptationPolicy]] = {"pollux": GoodputPolicy}
+#: The adaptation policies known by name (``--policy-module pollux``, a ds_config's
+#: ``policies``): name -> a policy class or factory, called with no arguments.
+ADAPTATION_POLICIES: Registry[Callable[[], AdaptationPolicy]] = Registry(
+    "adaptation policy", check=callable,
+    expects="an AdaptationPolicy class or a factory taking no arguments")
+ADAPTATION_POLICIES.register("pollux", GoodputPolicy)
+
+
+def register_adaptation_policy(name: str, factory: Callable[[], AdaptationPolicy], *,
+                               replace: bool = False) -> None:
+    """Make ``name`` a policy that ``--policy-module`` and ``load_policy`` accept, built by
+    ``factory()``. Raises RegistryError (a ValueError) for a taken name, unless
+    ``replace=True``."""
+    ADAPTATION_POLICIES.register(name, factory, replace=replace)
 
 
 def check_spec(spec: str) -> str:
     """One ``--policy-module`` entry checked for form only: a built-in name or
     ``module:attribute`` (never code). Returns it; raises ``PolicyError``."""
     spec = spec.strip()
-    if spec in BUILTIN:
+    if spec in ADAPTATION_POLICIES:
         return spec
     if not _SPEC.fullmatch(spec) or ":" not in spec:
         raise PolicyError(
             f"--policy-module {spec[:80]!r}: give module:Class (e.g. mypkg.policies:GNSBatch) "
-            f"or a built-in ({', '.join(BUILTIN)})")
+            f"or a built-in ({', '.join(ADAPTATION_POLICIES.names())})")
     return spec
 
 
@@ -470,8 +486,8 @@ def load_policy(spec: str) -> AdaptationPolicy:
     no arguments) or an instance; the module is found on the worker's Python path, then in
     its working directory (as ``python -m`` would)."""
     spec = check_spec(spec)
-    if spec in BUILTIN:
-        return BUILTIN[spec]()
+    if spec in ADAPTATION_POLICIES:
+        return ADAPTATION_POLICIES.get(spec)()
     module, _, attr = spec.partition(":")
     try:
         mod = importlib.import_module(module)

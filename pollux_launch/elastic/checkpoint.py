@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from pollux_launch.errors import UserError
+
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -50,7 +52,7 @@ _NAME = re.compile(r"^ckpt-(\d{8})$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be read back (missing, truncated, not ours)."""
 
 

@@ -50,9 +50,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -63,6 +63,8 @@ from pollux_launch.tuning.tuner import GoodputTuner
 from .adaptation import AdaptationPolicy, GoodputPolicy, PolicyContext, fit_total, resolve_batch
 from .checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint
 from .failures import first_line, is_peer_failure
+from .hints import HintsReporter
+from .protocols import Collectives, FrameworkHooks, MemberRemoved, Membership
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,11 @@ VOTE_PERIOD_S = 0.05  # vote about every 50 ms of training: cheap, rescales star
 
 
 class LeaveJob(SystemExit):
-    """This worker is not in the job's new round: it ends with status 0."""
+    """This worker is not in the job's new round: it ends with status 0.
+
+    A ``SystemExit``, not a ``PolluxError``: leaving is the worker's normal end (exit
+    status 0, through the script's ``except Exception`` and ``finally`` alike), no error.
+    """
 
     def __init__(self) -> None:
         super().__init__(0)
@@ -112,158 +118,12 @@ class Decision:
                    (int(lo), int(hi)) if lo > 0 else None, fixed > 0)
 
 
-class Collectives(Protocol):
-    """The current group as the controller sees it."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def num_nodes(self) -> int: ...
-
-    def broadcast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """Rank 0's ``tensor`` (CPU) on every rank (returned; may be ``tensor`` itself)."""
-        ...
-
-    def allreduce(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
-        """``op`` ("sum", "mean", "max", "min") of a small CPU float64 tensor over every
-        rank (returned, on the CPU)."""
-        ...
-
-    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """Every rank's 1-D CPU float64 ``tensor`` (same length everywhere), one row per
-        rank in rank order."""
-        ...
-
-
-class Membership(Protocol):
-    """How the job's group changes: pollux's rendezvous (``adapters.torch.job.ElasticJob``)."""
-
-    @property
-    def elastic(self) -> bool: ...
-
-    @property
-    def name(self) -> str | None: ...
-
-    @property
-    def store(self) -> Any: ...
-
-    def rescale_due(self) -> bool:
-        """Collective: True on every rank when any rank saw a reason to re-form."""
-        ...
-
-    def next_round(self) -> Any:
-        """Enter the next round (raises ``WorkerRemoved`` when not in it)."""
-        ...
-
-    def credit_resumed(self, progress: float) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class FrameworkHooks(Protocol):
-    """What an adapter does for the controller (all ranks call each at the same point)."""
-
-    def batch(self) -> tuple[int, int]:
-        """``(m, s)`` in force: per-GPU micro-batch and accumulation steps (s + 1 micro-
-        batches per optimiser step)."""
-        ...
-
-    def apply_batch(self, m: int, s: int) -> None:
-        """Use ``(m, s)`` from the next optimiser step on."""
-        ...
-
-    def set_lr_factor(self, factor: float) -> None:
-        """Multiply the LR by ``factor`` inside every optimiser step from now on."""
-        ...
-
-    def grad_stats(self) -> GradNoise | None:
-        """The gradient statistics now (same on every rank; may flush a monitor)."""
-        ...
-
-    def capture(self, controller_state: dict[str, Any]) -> Any:
-        """On the old group, before it is left: what ``rebuild`` needs (DeepSpeed: the
-        consolidated engine state; DDP: nothing)."""
-        ...
-
-    def rebuild(self, captured: Any, controller_state: dict[str, Any], from_rank0: bool
-                ) -> dict[str, Any] | None:
-        """On the new group: rebuild the engine or wrapper. With ``from_rank0`` every rank
-        takes rank 0's state; else survivors keep theirs and newcomers receive it.
-        Returns the controller state received (None where this rank kept its own)."""
-        ...
-
-    def leave(self) -> None:
-        """This worker leaves the job: remove hooks (the group is gone already)."""
-        ...
-
-    def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
-                         ) -> dict[str, Any] | None:
-        """The durable state (tensors, numbers, strings, lists, dicts); ``collective``
-        False: without collectives (None if that is impossible, e.g. ZeRO partitions)."""
-        ...
-
-    def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """Rank 0, fresh round: load a checkpoint; returns (what ``rebuild`` takes with
-        ``from_rank0``, the controller state in it)."""
-        ...
-
-
 def recent_pause(rescales: list[dict[str, Any]], last: int = 5) -> float | None:
     """The dearest survivors' pause of the last ``last`` allocation-driven rescales (a grow
     costs more than a shrink: the policy's delta is what a change may cost), or None."""
     pauses = [r["pause_s"] for r in rescales if r.get("reason") == "allocation"
               and isinstance(r.get("pause_s"), float)]
     return max(pauses[-last:]) if pauses else None
-
-
-class HintsReporter:
-    """Rank 0's path for the job's hints to the store (Pollux Sec. 4.1's reports).
-
-    ``store``: a callable returning the store (or None: nothing is reported); a store
-    that cannot be reached is logged once per outage and tried again at the next report.
-    """
-
-    def __init__(self, store: Callable[[], Any], job: str | None) -> None:
-        self._store, self.job = store, job
-        self._failing = False
-
-    @classmethod
-    def from_env(cls) -> HintsReporter:
-        """The store named by pollux-run's environment (opened lazily, once)."""
-        opened: list[Any] = []
-
-        def store() -> Any:
-            if not opened and os.environ.get(envvars.STORE):
-                from pollux_launch.rendezvous.store import StoreError
-
-                try:
-                    opened.append(envvars.store_from_env())
-                except StoreError as exc:
-                    log.warning("no hints: cannot open the store (%s)", first_line(exc))
-                    opened.append(None)
-            return opened[0] if opened else None
-
-        return cls(store, os.environ.get(envvars.JOB))
-
-    def report(self, tuner: GoodputTuner, hints: Callable[[], Any]) -> None:
-        from pollux_launch.rendezvous.store import StoreError
-
-        store = self._store()
-        if store is None or not self.job:
-            return
-        try:
-            tuner.report(store, self.job, hints())
-            if self._failing:
-                log.info("hints reported again")
-            self._failing = False
-        except StoreError as exc:  # the store may be away for a while: training goes on
-            if not self._failing:
-                log.warning("could not report hints (%s); training goes on", first_line(exc))
-            self._failing = True
 
 
 class ElasticController:
@@ -511,12 +371,10 @@ class ElasticController:
         return True
 
     def _next_round(self) -> Any:
-        from pollux_launch.rendezvous.protocol import WorkerRemoved
-
         assert self.membership is not None
         try:
             return self.membership.next_round()
-        except WorkerRemoved:
+        except MemberRemoved:
             log.info("not in the new round: leaving the job")
             self.ctx.previous_world_size, self.ctx.detached = self.group.world_size, True
             self._run_policies("on_rescale")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..registry import Registry
 from .efficiency import GradParams, gain
 
 __all__ = ["LEGWState", "LRRule", "lr_rules", "register_lr_rule", "scale_lr",
@@ -63,38 +64,30 @@ def _legw(scale: float, stats: Any) -> float:
     return factor
 
 
-_RULES: dict[str, LRRule] = {
-    "linear": _linear,
-    "sqrt": _sqrt,
-    "adascale": _adascale,
-    "legw": _legw,
-}
+_RULES: Registry[LRRule] = Registry("LR rule", check=callable, expects="a callable")
+for _name, _rule in (("linear", _linear), ("sqrt", _sqrt), ("adascale", _adascale),
+                     ("legw", _legw)):
+    _RULES.register(_name, _rule)
 
 
 def register_lr_rule(name: str, rule: LRRule, *, replace: bool = False) -> None:
     """Make ``rule(scale, stats) -> factor`` available to :func:`scale_lr` by name.
 
-    Raises ValueError if ``name`` is taken, unless ``replace=True``: every job that names
-    a rule would otherwise change its LR with whichever module registered last.
+    Raises RegistryError (a ValueError) if ``name`` is taken, unless ``replace=True``:
+    every job that names a rule would otherwise change its LR with whichever module
+    registered last.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"LR rule name must be a non-empty str, got {name!r}")
-    if not callable(rule):
-        raise ValueError(f"LR rule {name!r} must be callable")
-    if name in _RULES and not replace:
-        raise ValueError(f"LR rule {name!r} is already registered; pass replace=True to "
-                         "replace it")
-    _RULES[name] = rule
+    _RULES.register(name, rule, replace=replace)
 
 
 def unregister_lr_rule(name: str) -> None:
     """Forget the rule ``name`` (KeyError if it is not registered)."""
-    del _RULES[name]
+    _RULES.unregister(name)
 
 
 def lr_rules() -> list[str]:
     """Names of the registered rules."""
-    return sorted(_RULES)
+    return _RULES.names()
 
 
 def scale_lr(
@@ -107,9 +100,7 @@ def scale_lr(
             f"batch_size={batch_size}"
         )
     if isinstance(rule, str):
-        if rule not in _RULES:
-            raise ValueError(f"unknown LR rule {rule!r}; choose one of {lr_rules()}")
-        rule = _RULES[rule]
+        rule = _RULES.get(rule)
     elif not callable(rule):
         raise ValueError(f"LR rule must be a name or a callable, got {rule!r}")
     return float(rule(batch_size / init_batch_size, stats))

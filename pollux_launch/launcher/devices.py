@@ -29,6 +29,8 @@ import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 
+from pollux_launch.errors import PolluxError
+
 from .. import env as envvars
 from ..arguments import OptionsError
 from ..messages import GPU_ID
@@ -38,7 +40,7 @@ from ..messages import GPU_ID
 GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
 
 
-class DevicesBusy(Exception):
+class DevicesBusy(PolluxError):
     """No GPU of this node is free now (another process on the machine holds them): the
     worker waits for one, as for a slot."""
 
@@ -194,3 +196,9 @@ def worker_env(own: str, job_gpus: Sequence[str], local_rank: int | None) -> dic
     at = len(job_gpus) if local_rank is None else min(max(0, local_rank), len(job_gpus))
     visible = [*job_gpus[:at], own, *job_gpus[at:]]
     return {"CUDA_VISIBLE_DEVICES": ",".join(visible), envvars.GPUS: own}
+
+
+def local_slots_default(gpus_only: bool = False) -> int:
+    """This machine's GPUs, or its CPU cores when it has none (``gpus_only``: 0 then)."""
+    gpus = len(detect_gpus())
+    return gpus if gpus_only else gpus or os.cpu_count() or 1

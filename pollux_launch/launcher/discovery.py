@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from pollux_launch.errors import PolluxError
+
 from ..rendezvous.store import StoreError
 from .hosts import LOCAL_NAMES, HostsError, parse_hosts
 
@@ -35,7 +37,7 @@ TIMEOUT = 10.0  # seconds one run may take
 MAX_OUTPUT = 64 * 1024  # bytes of output read from one run
 
 
-class DiscoveryError(Exception):
+class DiscoveryError(PolluxError):
     """One run of the script failed; the message says how, in one line."""
 
 

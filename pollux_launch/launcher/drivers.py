@@ -6,17 +6,17 @@
 * ``restart`` (:class:`~.restart.RestartDriver`; restart-elastic and fixed torch and
   DeepSpeed jobs): the same workers, stopped and started again as a whole group on
   every new allocation or failure, torchrun's way.
-* ``horovod`` (``pollux_launch.adapters.horovod.driver.HorovodDriver``): ONE Horovod
-  Elastic driver per job, run where the job was launched (horovodrun's semantics), its
-  host list following the job's allocation; with ``horovod-tasks``
-  (``.tasks.HorovodTaskDriver``) on every node, whose agent starts the workers that
-  driver asks for (no ssh; on one machine ``horovodrun`` itself starts them).
+* a framework's own drivers, registered by its adapter's launch side: Horovod's
+  (``pollux_launch.adapters.horovod.launch``) run ONE Horovod Elastic driver per job
+  where the job was launched (horovodrun's semantics), with a task driver on every node
+  whose agent starts the workers that driver asks for.
 
 A driver's ``side`` says who runs it: ``"node"`` drivers run in every node agent (for
 the replicas placed on that node), ``"launcher"`` drivers in the ``pollux-run`` that
 submitted the job (in local mode, its own node agent). :func:`driver_class` picks the
-driver of a framework by name through :data:`DRIVERS` (imported lazily, so that the
-launcher never imports a framework it does not run).
+drivers a framework's :class:`~.frameworks.FrameworkLaunch` names from :data:`DRIVERS`
+(one :class:`~pollux_launch.registry.Registry`; adapters plug in through the entry-point
+group ``frameworks.PLUGINS``, so the launcher names none of them).
 
 This module is the launcher's whole interface for a framework's driver (a plug-in such
 as ``pollux_launch.adapters.horovod``): :class:`JobDriver` to subclass, the
@@ -28,7 +28,6 @@ these from here, nothing else of the launcher.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -44,19 +43,20 @@ from .. import keys
 from ..arguments import OptionsError
 from ..messages import MAX_REPLICAS, Allocation, JobSpec, MessageError, NodeInfo, ValueLog
 from ..peer_failure import recorded_peer_failure
+from ..registry import Registry
 from ..rendezvous.network import transport_env
 from ..rendezvous.rounds import JobKeys, last_formed
 from ..rendezvous.store import Store, StoreError
 from .devices import DevicePool, DevicesBusy
-from .frameworks import insert_local_rank
+from .frameworks import PLUGINS, framework_launch, insert_local_rank
 from .logs import job_log_file
 from .workers import ExitKind, Worker, WorkerGroup, classify_exit
 
 if TYPE_CHECKING:
-    from .options import LaunchOptions
+    from .launch_options import LaunchOptions
 
 __all__ = [
-    "DRIVERS", "FRAMEWORK_DRIVERS", "DevicesBusy", "DriverContext", "JobDriver", "OptionsError",
+    "DRIVERS", "DevicesBusy", "DriverContext", "JobDriver", "OptionsError",
     "ProcessExit", "ReplicaDriver", "Side", "WorkerGroup", "driver_class", "driver_classes",
     "replica_limit",
 ]
@@ -71,18 +71,13 @@ log = logging.getLogger(__name__)
 ENV_STORE, ENV_PREFIX, ENV_JOB = envvars.STORE, envvars.PREFIX, envvars.JOB
 ENV_NODE, ENV_WORKER_ID, ENV_ADDR = envvars.NODE, envvars.WORKER_ID, envvars.ADDR
 
-# driver name -> "module:Class"; framework -> its drivers, the primary one first (one per
-# side; frameworks not named run as "replicas")
-DRIVERS: dict[str, str] = {
-    "replicas": "pollux_launch.launcher.drivers:ReplicaDriver",
-    "restart": "pollux_launch.launcher.restart:RestartDriver",
-    "horovod": "pollux_launch.adapters.horovod.driver:HorovodDriver",
-    "horovod-tasks": "pollux_launch.adapters.horovod.tasks:HorovodTaskDriver",
-}
-FRAMEWORK_DRIVERS: dict[str, tuple[str, ...]] = {
-    "torch": ("replicas",), "deepspeed": ("replicas",), "horovod": ("horovod", "horovod-tasks")}
-# the drivers of jobs that do not re-form live, where they differ from the above
-RESTART_DRIVERS: dict[str, tuple[str, ...]] = {"torch": ("restart",), "deepspeed": ("restart",)}
+#: driver name -> JobDriver subclass ("module:Class" strings are imported on first use, so
+#: that the launcher never imports a framework it does not run). The launcher's own:
+#: "replicas" and "restart" (below); a framework's adapter registers its own drivers and
+#: names them in its ``frameworks.FrameworkLaunch`` (entry-point group ``PLUGINS``).
+DRIVERS: Registry[type[JobDriver]] = Registry(
+    "launcher driver", check=lambda e: isinstance(e, type) and issubclass(e, JobDriver),
+    expects="a JobDriver subclass", lazy=True, plugins=PLUGINS)
 
 
 @dataclass(frozen=True)
@@ -107,6 +102,13 @@ class DriverContext:
     def log_file(self, spec: JobSpec) -> str | None:
         """The file ``spec``'s output on this node goes to (for ``WorkerGroup``), if any."""
         return job_log_file(self.log_dir, spec)
+
+    def worker_group(self, spec: JobSpec) -> WorkerGroup:
+        """A group that runs ``spec``'s command as this node's workers of the job (its
+        output to the node's log of the job, its GPUs from the node's pool)."""
+        return WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
+                           output_dir=self.output_dir, stdout=self.stdout,
+                           log_file=self.log_file(spec), devices=self.devices)
 
     def job_env(self, spec: JobSpec) -> dict[str, str]:
         """The ``POLLUX_*`` variables every process of ``spec``'s job gets (with the
@@ -189,9 +191,7 @@ class ReplicaDriver(JobDriver):
 
     def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
         super().__init__(spec, ctx)
-        self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
-                                 output_dir=ctx.output_dir, stdout=ctx.stdout,
-                                 log_file=ctx.log_file(spec), devices=ctx.devices)
+        self.group = ctx.worker_group(spec)
         self.values = ValueLog(log)  # a bad value is logged once per key and revision
         # newcomers that failed before joining, in a row, and when to start another
         self._strikes, self._retry_at = 0, -float("inf")
@@ -431,17 +431,16 @@ def replica_limit(spec: JobSpec) -> int | None:
 
 def driver_classes(framework: str, elasticity: str = "live") -> list[type[JobDriver]]:
     """The drivers that run ``framework``'s jobs of that kind of elasticity, the primary
-    one first (unknown frameworks: one worker per replica)."""
-    out = []
-    names = FRAMEWORK_DRIVERS.get(framework, ("replicas",))
-    if elasticity != "live":
-        names = RESTART_DRIVERS.get(framework, names)
-    for driver in names:
-        module, _, name = DRIVERS[driver].partition(":")
-        out.append(getattr(importlib.import_module(module), name))
-    return out
+    one first (frameworks nobody registered: one worker per replica)."""
+    launch = framework_launch(framework)
+    return [DRIVERS.get(name) for name in (launch.live if elasticity == "live"
+                                           else launch.restart)]
 
 
 def driver_class(framework: str, elasticity: str = "live") -> type[JobDriver]:
     """``framework``'s primary driver (the one ``pollux-run`` preflights)."""
     return driver_classes(framework, elasticity)[0]
+
+
+DRIVERS.register("replicas", ReplicaDriver)
+DRIVERS.register("restart", "pollux_launch.launcher.restart:RestartDriver")  # (imports us)

@@ -21,10 +21,44 @@ Kinds of elasticity (:func:`detect_elasticity`):
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-FRAMEWORKS = ("torch", "horovod", "deepspeed")
+from ..arguments import OptionsError
+from ..registry import Registry
+
+FRAMEWORKS = ("torch", "horovod", "deepspeed")  # the ones detection knows
+
+#: The entry-point group through which a framework's adapter plugs its launch side into
+#: the launcher (pyproject's ``[project.entry-points."pollux_launch.adapters"]``): each
+#: entry is a ``module:function`` called once, which registers the framework's
+#: :class:`FrameworkLaunch` here and its drivers in ``drivers.DRIVERS``.
+PLUGINS = "pollux_launch.adapters"
+
+
+@dataclass(frozen=True)
+class FrameworkLaunch:
+    """What the launcher needs of a framework: the names of its drivers (registered in
+    ``drivers.DRIVERS``), the primary one first, for jobs that re-form live and for jobs
+    that restart; and ``check(command, cwd)``, run on the job's command before anything
+    is written or started (raises ``OptionsError`` naming the file at fault)."""
+
+    live: tuple[str, ...] = ("replicas",)
+    restart: tuple[str, ...] = ("restart",)
+    check: Callable[[Sequence[str], Path], None] | None = None
+
+
+#: framework name -> its FrameworkLaunch (a framework nobody registered runs as replicas)
+LAUNCH: Registry[FrameworkLaunch] = Registry(
+    "framework", check=lambda e: isinstance(e, FrameworkLaunch), expects="a FrameworkLaunch",
+    plugins=PLUGINS)
+DEFAULT_LAUNCH = FrameworkLaunch()
+
+
+def framework_launch(framework: str) -> FrameworkLaunch:
+    """``framework``'s launch side (the default for one nobody registered)."""
+    return LAUNCH.get(framework) if framework in LAUNCH else DEFAULT_LAUNCH
 
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(horovod|deepspeed)\b", re.MULTILINE)
 _POLLUX = re.compile(r"^\s*(?:import|from)\s+pollux_launch\b", re.MULTILINE)
@@ -84,16 +118,16 @@ def detect_elasticity(framework: str, command: Sequence[str], cwd: str | Path,
                       min_np: int, max_np: int, asked: str = "auto") -> tuple[str, str]:
     """The job's kind of elasticity (one of ELASTICITY) and why, in a few words for the
     launcher's first line. ``asked``: ``--elasticity`` (``auto``: detected). Raises
-    ``ValueError`` (one line) for a kind this job cannot have."""
+    ``OptionsError`` (one line) for a kind this job cannot have."""
     text = "".join(_read(path) for path in script_files(command, cwd))
     pollux = uses_pollux_api(command, cwd)
     hvd_elastic = framework == "horovod" and bool(_HVD_ELASTIC.search(text))
     resizable = min_np != max_np
     if asked == "fixed" and resizable:
-        raise ValueError("--elasticity fixed: the job may not change size; drop --min-np/"
+        raise OptionsError("--elasticity fixed: the job may not change size; drop --min-np/"
                          "--max-np (or --nnodes MIN:MAX)")
     if asked == "restart" and framework == "horovod":
-        raise ValueError("--elasticity restart: Horovod jobs re-form live with hvd.elastic "
+        raise OptionsError("--elasticity restart: Horovod jobs re-form live with hvd.elastic "
                          "(or run fixed); restarting applies to torchrun-style scripts")
     if asked != "auto":
         return asked, "as asked by --elasticity"
@@ -103,7 +137,7 @@ def detect_elasticity(framework: str, command: Sequence[str], cwd: str | Path,
         return "live", "script uses Horovod Elastic: re-forms in place"
     if framework == "horovod":
         if resizable:
-            raise ValueError("this Horovod script does not use hvd.elastic, so it cannot change "
+            raise OptionsError("this Horovod script does not use hvd.elastic, so it cannot change "
                              "size: drop --min-np/--max-np, or use hvd.elastic.run")
         return "fixed", "script does not use Horovod Elastic"
     if resizable:

@@ -11,6 +11,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from pollux_launch.errors import UserError
+
 from ..messages import MAX_SLOTS
 
 # the names that mean this machine in a host list (local mode runs only on those)
@@ -19,7 +21,7 @@ LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", socket.gethostname()})
 _NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+$")
 
 
-class HostsError(ValueError):
+class HostsError(UserError, ValueError):
     """A malformed -H list or hostfile (the message says where and how to fix it)."""
 
 

@@ -94,6 +94,8 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import parse_qs, urlsplit
 
+from pollux_launch.errors import PolluxError
+
 from .. import keys
 from ..arguments import OptionsError, name
 from ..messages import MAX_INT, MAX_REPLICAS, JobSpec, JobStatus, NodeInfo, ValueLog
@@ -224,7 +226,7 @@ def verify_request(secret: bytes, header: str | None, method: str, address: str,
 
 
 # -- the server ------------------------------------------------------------------------
-class _Reply(Exception):
+class _Reply(PolluxError):
     """An answer other than the log's bytes."""
 
     def __init__(self, status: int, message: str,
@@ -233,7 +235,7 @@ class _Reply(Exception):
         self.status, self.message, self.headers = status, message, headers or {}
 
 
-class _TooLarge(Exception):
+class _TooLarge(PolluxError):
     """The request line and headers passed ``MAX_HEADER_BYTES``."""
 
 

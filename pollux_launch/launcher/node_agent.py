@@ -46,6 +46,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
+from pollux_launch.errors import PolluxError
+
 from .. import env as envvars
 from .. import keys
 from ..completion import completion, generation
@@ -79,7 +81,7 @@ from .epoch import Epoch
 from .logs import serve_logs
 
 if TYPE_CHECKING:
-    from .options import LaunchOptions
+    from .launch_options import LaunchOptions
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ REFUSED = 126  # the exit code of a job a node agent refused to run (admission.p
 ABSENT_GRACE = 60.0
 
 
-class _JobAbsent(Exception):
+class _JobAbsent(PolluxError):
     """The job's spec is not in the store (its report is kept for a while: _reap)."""
 _LEAVES = {"spec": JobSpec, "status": JobStatus, "allocation": Allocation, "signature": None}
 # leaves kept as text for completion.py: its workers' records, its group, its rounds

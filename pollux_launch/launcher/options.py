@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import env as envvars
@@ -41,15 +40,16 @@ from ..rendezvous.store.cli_args import (
     store_options,
     worker_store_env,
 )
-from .devices import parse_gpus
+from .devices import local_slots_default, parse_gpus
 from .frameworks import (
     FRAMEWORKS,
     detect_elasticity,
     detect_framework,
-    ds_config_paths,
+    framework_launch,
     uses_pollux_api,
 )
-from .hosts import Host, HostsError, parse_hostfile, parse_hosts
+from .hosts import HostsError, parse_hostfile, parse_hosts
+from .launch_options import LaunchOptions
 
 # horovodrun flags that only make sense for MPI/ssh/LSF launching.
 _UNSUPPORTED = {
@@ -114,49 +114,6 @@ SPEC_FLAGS = {
 }
 _TORCHRUN_REPLICAS = "--nnodes x --nproc-per-node"
 _JOB_NAME = re.compile(r"^[a-z0-9]([a-z0-9\-_.]{0,62}[a-z0-9])?$")
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    command: tuple[str, ...]
-    np: int
-    min_np: int
-    max_np: int
-    hosts: tuple[Host, ...] | None
-    slots_per_host: int
-    host_discovery_script: str | None
-    network_interface: str | None
-    start_timeout: float
-    elastic_timeout: float
-    reset_limit: int | None
-    blacklist_cooldown_range: tuple[int, int] | None
-    output_filename: str | None
-    verbose: bool
-    log_level: str
-    store: str | None
-    store_prefix: str
-    job_name: str
-    fairness: float
-    interval: float | None  # None: the calibrated default (RescaleCost.round_interval)
-    realloc_delay: float | None  # None: each live job's calibrated pause
-    policy: str | None
-    framework: str
-    horovod_env: dict[str, str] = field(default_factory=dict)
-    store_options: dict[str, object] = field(default_factory=dict)
-    worker_env: dict[str, str] = field(default_factory=dict)
-    secret_file: str | None = None
-    elasticity: str = "live"  # messages.ELASTICITY
-    elasticity_reason: str = ""  # why, for the launcher's first line
-    max_restarts: int = 0
-    stop_grace: float = 30.0
-    reports_goodput: bool = True  # the script uses the pollux API
-    min_batch_size: int | None = None  # the job's batch-size range (None: the script's)
-    max_batch_size: int | None = None
-    gpus: tuple[str, ...] | None = None  # local mode: this machine's GPUs (None: detected)
-
-    @property
-    def elastic(self) -> bool:
-        return self.min_np != self.max_np
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,8 +307,6 @@ def _nproc_per_node(text: str) -> int:
     if text.isdigit() and int(text) >= 1:
         return int(text)
     if text in ("auto", "cpu", "gpu"):
-        from .run import local_slots_default
-
         gpus = local_slots_default(gpus_only=True)
         if text == "gpu" and not gpus:
             raise OptionsError("--nproc-per-node gpu: this machine has no GPU")
@@ -457,8 +412,9 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
             f"{', '.join(elastic)}: horovodrun elastic options, but this is a {framework} job "
             "(its rescales are scheduled by Pollux; bound them with --min-np/--max-np)"
         )
-    if framework == "deepspeed":
-        _check_ds_configs(command, cwd)
+    check = framework_launch(framework).check  # e.g. DeepSpeed's ds_config "pollux" section
+    if check is not None:
+        check(command, cwd)
     try:
         elasticity, why = detect_elasticity(framework, command, cwd, lo, hi, ns.elasticity)
     except ValueError as exc:
@@ -554,7 +510,7 @@ def _policy_env(ns: argparse.Namespace, command: tuple[str, ...], cwd: Path
     and found without importing it (the workers import it)."""
     if not ns.policy_module:
         return {}
-    from ..elastic.adaptation import BUILTIN, PolicyError, check_spec
+    from ..elastic.adaptation import ADAPTATION_POLICIES, PolicyError, check_spec
 
     if not uses_pollux_api(command, cwd):
         raise OptionsError("--policy-module: policies run inside the pollux API (ElasticTrainer, "
@@ -567,7 +523,7 @@ def _policy_env(ns: argparse.Namespace, command: tuple[str, ...], cwd: Path
                 spec = check_spec(entry)
             except PolicyError as exc:
                 raise OptionsError(str(exc)) from None
-            if spec not in BUILTIN and not _module_found(spec.partition(":")[0], cwd):
+            if spec not in ADAPTATION_POLICIES and not _module_found(spec.partition(":")[0], cwd):
                 raise OptionsError(f"--policy-module {spec}: no module "
                                    f"{spec.partition(':')[0]!r} on the Python path or in "
                                    f"{cwd}; check the name, or run from its folder")
@@ -597,19 +553,6 @@ def _default_job_name(command: tuple[str, ...]) -> str:
         (Path(a).stem for a in command if a.endswith(".py")), Path(command[0]).name)
     base = re.sub(r"[^a-z0-9\-]+", "-", script.lower()).strip("-") or "job"
     return f"{base[:40]}-{os.getpid()}"
-
-
-def _check_ds_configs(command: tuple[str, ...], cwd: Path) -> None:
-    """A DeepSpeed job's ds_config (its "pollux" section above all) is checked here,
-    before any worker starts, and a mistake names the file."""
-    from ..adapters.deepspeed.config import PolluxConfigError, parse_pollux_config
-
-    for path in ds_config_paths(command, cwd):
-        try:
-            parse_pollux_config(path)
-        except PolluxConfigError as exc:
-            text = str(exc)
-            raise OptionsError(text if str(path) in text else f"{path}: {text}") from None
 
 
 def _writable_folder(flag: str, given: str, cwd: Path) -> Path:

@@ -117,12 +117,6 @@ def discovered_slots(discovery: HostDiscovery) -> int:
     return found
 
 
-def local_slots_default(gpus_only: bool = False) -> int:
-    """This machine's GPUs, or its CPU cores when it has none (``gpus_only``: 0 then)."""
-    gpus = len(detect_gpus())
-    return gpus if gpus_only else gpus or os.cpu_count() or 1
-
-
 def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
     """Run the job; returns its exit code. Raises OptionsError / StoreError on bad input."""
     stdout = stdout or sys.stdout

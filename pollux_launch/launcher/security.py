@@ -15,6 +15,8 @@ import os
 import stat
 from pathlib import Path
 
+from pollux_launch.errors import UserError
+
 from .. import env as envvars
 
 log = logging.getLogger(__name__)
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 SECRET_ENV, SECRET_FILE_ENV = envvars.SECRET, envvars.SECRET_FILE
 
 
-class SecretError(ValueError):
+class SecretError(UserError, ValueError):
     """The secret could not be loaded (the message never contains the secret)."""
 
 
@@ -65,3 +67,8 @@ def _warn_if_shared(path: str) -> None:
         log.warning("secret file %s is accessible by group or others (mode %04o): anyone "
                     "who can read it can sign jobs that every agent runs; chmod 600 %s",
                     path, stat.S_IMODE(mode), path)
+
+
+def without_secrets(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` less the operator's secrets (for every process a job runs)."""
+    return {k: v for k, v in environ.items() if k not in envvars.SECRETS}

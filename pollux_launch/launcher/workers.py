@@ -48,6 +48,7 @@ from ..output_marks import MAX_MARK, find_mark
 from .devices import DevicePool, DevicesBusy, worker_env
 from .logs import MAX_LINE, LogSink
 from .proctree import ProcTree, WorkerCgroup, describe, snapshot
+from .security import without_secrets
 from .spawn import dying_with_parent
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,7 @@ class WorkerGroup:
             held = [g for w in self.workers.values() for g in w.gpus] + self._reserved
             extra_env = {**extra_env, **worker_env(gpu, held, local_rank)}
         token = secrets.token_hex(8)
-        env = envvars.without_secrets({**os.environ, **self.env, **extra_env,
+        env = without_secrets({**os.environ, **self.env, **extra_env,
                                        envvars.WORKER_TOKEN: token})
         # Killed (SIGKILL) when this thread ends, so a killed node agent takes its workers
         # along, as a failed node would - set by an exec helper, never by Python code run

@@ -1,10 +1,12 @@
-"""Policy engines by name (as torch.distributed.elastic picks rendezvous backends)."""
+"""Policy engines by name (as torch.distributed.elastic picks rendezvous backends): one
+:class:`~pollux_launch.registry.Registry`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from pollux_launch.policy.base import Policy
+from pollux_launch.registry import Registry, RegistryError
 
 
 def _dp(**options) -> Policy:
@@ -29,11 +31,11 @@ def _saxena(**options) -> Policy:
 #: (re-allocation delay, default 30 s), interference_avoidance (default True), seed;
 #: saxena-dp (Saxena et al.'s throughput-maximising DP) accepts them all but uses only
 #: interference_avoidance.
-POLICIES: dict[str, Callable[..., Policy]] = {
-    "pollux-dp": _dp,
-    "pollux-ga": _ga,
-    "saxena-dp": _saxena,
-}
+POLICIES: Registry[Callable[..., Policy]] = Registry(
+    "policy", check=callable, expects="a callable factory(**options)")
+POLICIES.register("pollux-dp", _dp)
+POLICIES.register("pollux-ga", _ga)
+POLICIES.register("saxena-dp", _saxena)
 
 #: The engine used when none is named: the DP finds fitter allocations far faster.
 DEFAULT_POLICY = "pollux-dp"
@@ -42,31 +44,26 @@ DEFAULT_POLICY = "pollux-dp"
 def register_policy(name: str, factory: Callable[..., Policy], *, replace: bool = False) -> None:
     """Make ``make_policy(name, **options)`` build ``factory(**options)``.
 
-    Raises ValueError if ``name`` is taken, unless ``replace=True`` (a plug-in that
-    silently replaced a built-in engine would change every round's answer unnoticed).
+    Raises RegistryError (a ValueError) if ``name`` is taken, unless ``replace=True`` (a
+    plug-in that silently replaced a built-in engine would change every round's answer
+    unnoticed).
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"policy name must be a non-empty str, got {name!r}")
-    if not callable(factory):
-        raise ValueError(f"policy {name!r}: factory must be callable, got {factory!r}")
-    if name in POLICIES and not replace:
-        raise ValueError(f"policy {name!r} is already registered; pass replace=True to replace it")
-    POLICIES[name] = factory
+    POLICIES.register(name, factory, replace=replace)
 
 
 def unregister_policy(name: str) -> None:
     """Forget the engine ``name`` (KeyError if it is not registered)."""
-    del POLICIES[name]
+    POLICIES.unregister(name)
 
 
 def make_policy(name: str = DEFAULT_POLICY, **options) -> Policy:
     """Build the policy engine called ``name`` with ``options``.
 
-    Raises ``ValueError`` for an unknown name or a bad option.
+    Raises ``UnknownName`` for an unknown name, ``RegistryError`` for a bad option (both
+    one-line ValueErrors).
     """
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(sorted(POLICIES))}")
+    factory = POLICIES.get(name)
     try:
-        return POLICIES[name](**options)
+        return factory(**options)
     except TypeError as err:  # unknown keyword
-        raise ValueError(f"bad option for policy {name!r}: {err}") from None
+        raise RegistryError(f"bad option for policy {name!r}: {err}") from None

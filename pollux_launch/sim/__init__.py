@@ -16,14 +16,14 @@
 
 from pollux_launch.sim.simulator import ProfileConfig, SimConfig, SimResult, simulate
 from pollux_launch.sim.traces import ModelTrace, available_models, load_model
-from pollux_launch.sim.workload import JobSpec, WorkloadError, load_workload, write_workload
+from pollux_launch.sim.workload import TraceJob, WorkloadError, load_workload, write_workload
 
 __all__ = [
-    "JobSpec",
     "ModelTrace",
     "ProfileConfig",
     "SimConfig",
     "SimResult",
+    "TraceJob",
     "WorkloadError",
     "available_models",
     "load_model",

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from pollux_launch.arguments import (
+    OptionsError,
     add_admission_arguments,
     add_autoscale_arguments,
     admission_from_args,
@@ -30,6 +31,7 @@ from pollux_launch.arguments import (
     seconds_or_zero,
 )
 from pollux_launch.calibration import add_calibration_argument, load_rescale_cost
+from pollux_launch.errors import UserError
 from pollux_launch.policy.rescale_cost import RESCALE_MODELS
 from pollux_launch.sim.generate import SCENARIOS, generate_workload
 from pollux_launch.sim.run import config_for, policy_names, run_specs, run_workload
@@ -108,24 +110,27 @@ def _profile(args: argparse.Namespace) -> ProfileConfig | None:
         if extra:
             flag = {"seconds": "--profile-seconds", "max_replicas": "--profile-max-replicas",
                     "ladder": "--profile-counts"}[extra[0]]
-            raise ValueError(f"{flag} needs --profile-on-arrival")
+            raise OptionsError(f"{flag} needs --profile-on-arrival")
         return None
-    return ProfileConfig(**{k: v for k, v in fields.items() if v is not None})
+    try:
+        return ProfileConfig(**{k: v for k, v in fields.items() if v is not None})
+    except ValueError as exc:  # the flags' values, checked by the config
+        raise OptionsError(str(exc)) from None
 
 
 def _cluster(args: argparse.Namespace, autoscale) -> tuple[int, float]:
     """(starting nodes, boot time) from --nodes / --autoscale / --boot-time."""
     if autoscale is None:
         if args.boot_time is not None:
-            raise ValueError("--boot-time needs --autoscale MIN:MAX")
+            raise OptionsError("--boot-time needs --autoscale MIN:MAX")
         nodes = 16 if args.nodes is None else args.nodes
         if nodes < 1:
-            raise ValueError(f"--nodes must be at least 1, got {nodes}")
+            raise OptionsError(f"--nodes must be at least 1, got {nodes}")
         return nodes, 90.0
     lo, hi = autoscale.min_nodes, autoscale.max_nodes
     nodes = max(lo, 1) if args.nodes is None else args.nodes
     if not lo <= nodes <= hi:
-        raise ValueError(f"--nodes {nodes} (the starting size) must lie within "
+        raise OptionsError(f"--nodes {nodes} (the starting size) must lie within "
                          f"--autoscale {lo}:{hi}")
     return nodes, 90.0 if args.boot_time is None else args.boot_time
 
@@ -134,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
     generated = None
     try:
         if (args.workload is None) == (args.scenario is None):
-            raise ValueError("give exactly one of --workload FILE and --scenario NAME")
+            raise OptionsError("give exactly one of --workload FILE and --scenario NAME")
         if args.scenario_jobs is not None and args.scenario is None:
-            raise ValueError("--scenario-jobs needs --scenario")
+            raise OptionsError("--scenario-jobs needs --scenario")
         models_dir = args.models_dir or MODELS_DIR
         admission = admission_from_args(args)
         autoscale = autoscale_from_args(args)
@@ -148,18 +153,24 @@ def run(args: argparse.Namespace) -> int:
                 * args.gpus_per_node, seed=args.seed,
                 jobs=args.scenario_jobs, models_dir=models_dir)
             horizon = generated.horizon if horizon is None else horizon
-        cfg = config_for(args.rescale_model, load_rescale_cost(args.rescale_calibration),
-                         args.interval, nodes=nodes, gpus_per_node=args.gpus_per_node,
-                         realloc_delay=args.realloc_delay, interference=args.interference,
-                         admission=admission, horizon=horizon, profile=_profile(args),
-                         autoscale=autoscale, boot_time=boot)
+        profile = _profile(args)
+        try:
+            cfg = config_for(args.rescale_model, load_rescale_cost(args.rescale_calibration),
+                             args.interval, nodes=nodes, gpus_per_node=args.gpus_per_node,
+                             realloc_delay=args.realloc_delay, interference=args.interference,
+                             admission=admission, horizon=horizon, profile=profile,
+                             autoscale=autoscale, boot_time=boot)
+        except UserError:
+            raise
+        except ValueError as exc:  # the flags' values, checked by SimConfig
+            raise OptionsError(str(exc)) from None
         run_kw = {"seed": args.seed, "progress": not args.no_progress,
                   "options": {"p": args.fairness}, "models_dir": models_dir}
         if generated is not None:
             result = run_specs(generated.specs, args.policy, cfg, **run_kw)
         else:
             result = run_workload(args.workload, args.policy, cfg, **run_kw)
-    except ValueError as exc:  # bad input: one line, no traceback
+    except UserError as exc:  # bad input: one line, no traceback (a bug keeps its own)
         print(f"pollux-run simulate: error: {exc}", file=sys.stderr)
         return 2
     summary = result.summary()

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from pollux_launch.sim.traces import MODELS_DIR, ModelTrace, available_models, load_model
-from pollux_launch.sim.workload import JobSpec, write_workload
+from pollux_launch.sim.workload import TraceJob, WorkloadError, write_workload
 
 COMPUTE, COMMUNICATION = "compute", "communication"
 CATEGORIES = (COMPUTE, COMMUNICATION)
@@ -88,7 +88,7 @@ class GeneratedWorkload:
     """Jobs of one scenario and how they were drawn."""
 
     scenario: str
-    specs: list[JobSpec]
+    specs: list[TraceJob]
     rate_per_hour: float  # Poisson arrival rate
     horizon: float  # seconds: the expected arrival window, jobs / rate
     load: float  # offered load (module docstring)
@@ -152,21 +152,21 @@ def generate_workload(scenario: str | Scenario, *, gpus: int, seed: int = 0,
     """Draw a scenario's jobs for a cluster of ``gpus`` GPUs (module docstring)."""
     if isinstance(scenario, str):
         if scenario not in SCENARIOS:
-            raise ValueError(f"unknown scenario {scenario!r}; choose one of "
+            raise WorkloadError(f"unknown scenario {scenario!r}; choose one of "
                              f"{', '.join(SCENARIOS)}")
         scenario = SCENARIOS[scenario]
     count = scenario.jobs if jobs is None else int(jobs)
     if count < 1:
-        raise ValueError(f"a scenario needs at least 1 job, got {count}")
+        raise WorkloadError(f"a scenario needs at least 1 job, got {count}")
     if gpus < 1:
-        raise ValueError(f"the cluster needs at least 1 GPU, got {gpus}")
+        raise WorkloadError(f"the cluster needs at least 1 GPU, got {gpus}")
     if models is None:
         models = [m for m in available_models(models_dir) if m not in EXCLUDED_MODELS]
     categories = classify_models(models_dir, models)
     by_cat = {c: sorted(m for m, k in categories.items() if k == c) for c in CATEGORIES}
     present = [c for c in CATEGORIES if by_cat[c]]
     if not present:
-        raise ValueError("no trace models to draw jobs from")
+        raise WorkloadError("no trace models to draw jobs from")
     # Mean single-GPU work of the mix: each present category equally likely, then its
     # models uniformly.
     mean_work = float(np.mean([np.mean([_work(m, str(models_dir)) for m in by_cat[c]])
@@ -184,9 +184,9 @@ def generate_workload(scenario: str | Scenario, *, gpus: int, seed: int = 0,
         hi = min(lo * 2 ** int(rng.choice(RANGE_WIDTH)), trace.max_batch_size)
         lo = min(lo, hi)
         cap = int(rng.choice(caps))
-        specs.append(JobSpec(f"{scenario.name}-{i:03d}-{model}", round(t, 1), model,
-                             min_batch_size=int(lo), max_batch_size=int(hi),
-                             max_replicas=cap))
+        specs.append(TraceJob(f"{scenario.name}-{i:03d}-{model}", round(t, 1), model,
+                              min_batch_size=int(lo), max_batch_size=int(hi),
+                              max_replicas=cap))
     return GeneratedWorkload(scenario.name, specs, rate * 3600.0, count / rate,
                              scenario.load, int(gpus), int(seed), categories)
 

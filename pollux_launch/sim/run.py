@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from pollux_launch.arguments import OptionsError
 from pollux_launch.calibration import load_rescale_cost
 from pollux_launch.policy import DEFAULT_POLICY, POLICIES, Policy, make_policy
 from pollux_launch.policy.rescale_cost import RescaleCost
 from pollux_launch.sim.baselines import BASELINES, FIXED_BATCH_BASELINES
 from pollux_launch.sim.simulator import SimConfig, SimResult, simulate
 from pollux_launch.sim.traces import MODELS_DIR, available_models, load_model
-from pollux_launch.sim.workload import JobSpec, load_workload
+from pollux_launch.sim.workload import TraceJob, load_workload
 
 
 def config_for(rescale_model: str, cost: RescaleCost | None = None,
@@ -49,7 +50,7 @@ def build_policy(name: str | None, cfg: SimConfig, seed: int = 0,
         return name, BASELINES[name](), dataclasses.replace(cfg, adaptive=False)
     engine = FIXED_BATCH_BASELINES.get(name, name)
     if engine not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(policy_names())}")
+        raise OptionsError(f"unknown policy {name!r}; choose one of: {', '.join(policy_names())}")
     changes = {"adaptive": True}
     if name in FIXED_BATCH_BASELINES:
         changes["fixed_max_batch"] = True
@@ -66,7 +67,7 @@ def run_workload(workload: str | Path, policy: str | None = None, cfg: SimConfig
                      models_dir=models_dir)
 
 
-def run_specs(specs: list[JobSpec], policy: str | None = None, cfg: SimConfig | None = None,
+def run_specs(specs: list[TraceJob], policy: str | None = None, cfg: SimConfig | None = None,
               *, seed: int = 0, progress: bool = False, options: dict | None = None,
               models_dir: str | Path = MODELS_DIR) -> SimResult:
     """Simulate the jobs ``specs`` (e.g. from :mod:`.generate`) under ``policy``."""

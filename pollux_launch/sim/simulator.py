@@ -14,14 +14,19 @@ from the trace tables, and re-picks its per-GPU batch size and accumulation step
 every epoch boundary and at the end of every interval (as the authors' simulator does).
 
 Fidelity to the authors' simulator (run beside this one on workloads 1 and 6, with
-``checkpoint-restart``: avg JCT within 2.1 %). Matched: the Pollux agent's >= 2
-micro-batches on one GPU above M0 (``single_replica_accumulation``), the penalty's 0 at
-age 0, the batch re-picked every interval. Kept different, on purpose: the fair-share
-normaliser packs a share above one node onto several nodes (theirs evaluates it on one
-node, a placement that cannot exist); the power mean's epsilon is added to the speedup
-itself (theirs to 0.25 x speedup: no measurable effect on workload 7); epoch ends are
-not rounded to whole seconds (theirs are: noise, not bias); the default engine is the
-exact DP, not their genetic algorithm (whose repair order therefore does not apply).
+``checkpoint-restart``: avg JCT within 2.1 %, before the coordinator's age floor below
+moved them by -2.5 % and -1.1 %). Matched: the Pollux agent's >= 2 micro-batches on one
+GPU above M0 (``single_replica_accumulation``), the exploration cap from a job's first
+round (``cap_unmodelled``), the batch re-picked every interval. Kept different, on
+purpose: a job's age in the penalty is at least 1 s (the coordinator's floor; theirs
+is 0 at arrival, so that a job arriving on a round's very second gains nothing from
+being started in it, here ~1/31 of its speedup with a 30 s delta); the fair-share
+normaliser packs a share above one node onto several nodes (theirs evaluates
+it on one node, a placement that cannot exist); the power mean's epsilon is added to
+the speedup itself (theirs to 0.25 x speedup: no measurable effect on workload 7);
+epoch ends are not rounded to whole seconds (theirs are: noise, not bias); the default
+engine is the exact DP, not their genetic algorithm (whose repair order therefore does
+not apply).
 
 Beyond the authors' simulator (all off by default, leaving results unchanged):
 admission control in front of the policy (``SimConfig.admission``: Saxena et al.'s
@@ -41,8 +46,15 @@ with ``fit_perf_params``, warm-started from its previous fit, before each round 
 which it saw a new one and, as in the authors' simulator, before re-picking its batch
 size at an epoch boundary after seeing a new one), and the
 gradient statistics of its current batch size and epoch. Before its first step it has
-no model and reports a linear speedup limited to one GPU (the exploration cap, 2x the
-most replicas seen, then lets it grow), as in the Pollux authors' simulator.
+no model: the policy sees the coordinator's prior, held to one GPU by the exploration cap
+(2x the most replicas seen, which then lets it grow), as in the Pollux authors' simulator.
+
+What the policy sees of a job is what the live coordinator would see of it: the
+simulator writes each job's state as the store's messages (``JobSpec``, ``JobHints``,
+``Allocation``, ``JobGeneration``) and :func:`pollux_launch.coordinator.jobs.job_info`
+turns them into the job's ``JobInfo`` (exploration cap, limits, priors, the speedup and
+throughput functions of its model, the re-allocation delay): there is one translation,
+the coordinator's, and ``tests/sim/test_sim_matches_coordinator.py`` holds the two to it.
 """
 
 from __future__ import annotations
@@ -57,14 +69,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from pollux_launch.goodput import (
-    GoodputFunction,
-    GradParams,
-    GridCache,
-    SpeedupFunction,
-    fit_perf_params,
-)
-from pollux_launch.goodput.capacity import ThroughputFunction
+from pollux_launch.coordinator import jobs as coordinator_jobs
+from pollux_launch.coordinator.jobs import SpeedupFn
+from pollux_launch.goodput import GoodputFunction, GradParams, GridCache, fit_perf_params
+from pollux_launch.messages import Allocation, JobGeneration, JobHints, JobSpec
 from pollux_launch.policy import JobInfo, Policy, PolicyNode
 from pollux_launch.policy.admission import AdmissionConfig, Candidate, decide_admission
 from pollux_launch.policy.autoscale import AutoscaleConfig
@@ -80,7 +88,7 @@ from pollux_launch.sim.traces import (
     STATE_BYTES,
     ModelTrace,
 )
-from pollux_launch.sim.workload import JobSpec
+from pollux_launch.sim.workload import TraceJob, WorkloadError
 
 EPS = 1e-8  # tolerance of ceil() on batch-size ratios
 
@@ -139,6 +147,10 @@ class SimConfig:
     # the simulated agent's batch rule: True, the Pollux agent's >= 2 micro-batches on one
     # GPU above M0; False, pollux-launch's agent, which needs none (GoodputFunction)
     single_replica_accumulation: bool = True
+    # what the policy sees of a job without a model yet: True, Pollux's scheduler (the
+    # exploration cap, one GPU, holds from the start); False, the live coordinator's
+    # default (the job's prior decides its size): see coordinator.jobs.job_info
+    cap_unmodelled: bool = True
     max_time: float = 60 * 86400.0  # give up (error) past this much simulated time
     # which arrived jobs compete (Saxena et al.'s autoscaler): none admits every job at
     # arrival (Pollux, today's behaviour); queue / drop as in policy.admission
@@ -201,20 +213,20 @@ class SimConfig:
         return self.pool_nodes * self.gpus_per_node
 
 
-def _linear_speedup(num_nodes, num_replicas):
-    """Prior of a job that has not run yet: speedup proportional to GPUs."""
-    return np.asarray(num_replicas, dtype=float)
+# The kind of elasticity (``messages.JobSpec.elasticity``) each rescale model simulates:
+# a live job re-forms in place; checkpoint-restart and restart stop the whole job.
+ELASTICITY = {"live": "live", "restart": "restart", "checkpoint-restart": "restart"}
 
 
-def batch_range(spec: JobSpec, trace: ModelTrace) -> tuple[int, int]:
+def batch_range(job: TraceJob, trace: ModelTrace) -> tuple[int, int]:
     """The job's range of total batch sizes: its workload's, defaulting to the model's
     (M0 to its largest validated batch). ValueError (one line) when the range leaves what
     the traces measured: there are no gradient statistics outside it."""
     m0, top = trace.init_batch_size, trace.max_batch_size
-    lo = m0 if spec.min_batch_size is None else int(spec.min_batch_size)
-    hi = top if spec.max_batch_size is None else int(spec.max_batch_size)
+    lo = m0 if job.min_batch_size is None else int(job.min_batch_size)
+    hi = top if job.max_batch_size is None else int(job.max_batch_size)
     if not m0 <= lo <= hi <= top:
-        raise ValueError(f"job {spec.name}: batch-size range [{lo}, {hi}] must lie within "
+        raise WorkloadError(f"job {job.name}: batch-size range [{lo}, {hi}] must lie within "
                          f"[{m0}, {top}], the batch sizes the {trace.name} traces measured")
     return lo, hi
 
@@ -228,33 +240,39 @@ class SimJob:
     ``max_replicas``); with ``SimConfig.fixed_max_batch`` (max-bs) it trains at
     ``max_batch`` whatever its GPUs. ncf keeps the authors' pinning (32768 on one GPU)
     unless its row sets a limit.
+
+    The policy sees the job as the coordinator sees a live one: the simulator writes the
+    job's state as the store's messages (:meth:`spec_message`, :meth:`hints_message`,
+    :meth:`allocation_message`, :meth:`generation_message`) and the coordinator's
+    :func:`~pollux_launch.coordinator.jobs.job_info` turns them into its ``JobInfo``.
     """
 
-    def __init__(self, spec: JobSpec, trace: ModelTrace, cfg: SimConfig, index: int):
-        self.spec, self.trace, self.cfg, self.index = spec, trace, cfg, index
-        self.name = spec.name
+    def __init__(self, trace_job: TraceJob, trace: ModelTrace, cfg: SimConfig, index: int):
+        self.trace_job, self.trace, self.cfg, self.index = trace_job, trace, cfg, index
+        self.name = trace_job.name
         self.min_batch, self.max_batch = trace.init_batch_size, trace.max_batch_size
         self.user_cap: int | None = None  # the workload's max_replicas
         if cfg.adaptive:
-            limited = any(v is not None for v in (spec.min_batch_size, spec.max_batch_size,
-                                                  spec.max_replicas))
-            self.min_batch, self.max_batch = batch_range(spec, trace)
+            limited = any(v is not None for v in (trace_job.min_batch_size,
+                                                  trace_job.max_batch_size,
+                                                  trace_job.max_replicas))
+            self.min_batch, self.max_batch = batch_range(trace_job, trace)
             pinned = None if limited else PINNED_BATCH_SIZE.get(trace.name)
             if pinned is None and (cfg.fixed_max_batch or trace.init_batch_size
                                    < self.min_batch == self.max_batch):
                 pinned = self.max_batch  # (a one-batch range above M0: that batch)
             self.fixed_batch = pinned
             self.replica_cap = None if limited else PINNED_MAX_REPLICAS.get(trace.name)
-            self.user_cap = spec.max_replicas
+            self.user_cap = trace_job.max_replicas
         else:
-            self.fixed_batch = spec.batch_size
-            self.replica_cap = spec.num_replicas
+            self.fixed_batch = trace_job.batch_size
+            self.replica_cap = trace_job.num_replicas
         # the range's lower end, for the goodput search (M0 is its lower end already)
         self._min_kw = ({"min_batch_size": self.min_batch}
                         if self.min_batch > trace.init_batch_size else {})
         # admission: GPUs the job needs to run (a TunedJobs job: its gang); the policy is
         # told it as min_replicas once admitted when admission control is on
-        self.need = int(spec.num_replicas) if not cfg.adaptive else 1
+        self.need = int(trace_job.num_replicas) if not cfg.adaptive else 1
         self.min_replicas = 0
         self.profile_plan: list[int] = []  # GPU counts still to profile (profile on arrival)
         self.profile_clock = 0.0  # seconds trained on the current one
@@ -275,13 +293,14 @@ class SimJob:
         # agent's knowledge
         self.profile: dict[tuple[int, int, int], tuple[float, float]] = {}
         self.max_seen_replicas = 0
+        self.max_seen_nodes = 0
         self.perf_params = None
         self.grad_params = None
         self._stale = False
-        self._speedup_key = None
-        self._speedup_fn = _linear_speedup
-        self._throughput_key = None
-        self._throughput_fn: ThroughputFunction | None = None
+        # the coordinator's (speedup, throughput) functions of the last model reported,
+        # and that model: built once per fit, as the coordinator memoises them per hints
+        self._model_key: tuple | None = None
+        self._models: tuple[SpeedupFn | None, SpeedupFn | None] = (None, None)
         self._grids: GridCache = {}  # candidate (m, s) grids: shared by all this job's fits
 
     # --- agent side ---------------------------------------------------------------------
@@ -297,6 +316,7 @@ class SimJob:
         if key not in self.profile:
             self.profile[key] = (step, sync)
             self.max_seen_replicas = max(self.max_seen_replicas, replicas)
+            self.max_seen_nodes = max(self.max_seen_nodes, nodes)
             self._stale = True
 
     def refit(self) -> None:
@@ -317,53 +337,17 @@ class SimJob:
         self.choose_batch()  # a new model may prefer another (m, s) for the same GPUs
 
     def goodput_fn(self) -> GoodputFunction:
+        """The agent's own goodput model, for its choice of (m, s)."""
         return GoodputFunction(self.perf_params, self.grad_params, self.trace.init_batch_size,
                                grid_cache=self._grids,
                                single_replica_accumulation=self.cfg.single_replica_accumulation)
-
-    def speedup_fn(self):
-        """The job's current speedup function (cached until its model changes); linear
-        while it has no model or is still profiling."""
-        if self.perf_params is None or self.profile_plan:
-            return _linear_speedup
-        key = (id(self.perf_params), self.grad_params)
-        if key != self._speedup_key:
-            self._speedup_key = key
-            self._speedup_fn = SpeedupFunction(
-                self.goodput_fn(), self.max_batch, self.bsz_bounds,
-                True, fixed_batch_size=self.fixed_batch, **self._min_kw)
-        return self._speedup_fn
-
-    def throughput_fn(self) -> ThroughputFunction | None:
-        """Samples/s at the best batch in the job's range (at its fixed batch, if any) from
-        its fitted throughput model, for throughput-maximising policies (saxena-dp);
-        None while it has no model or is still profiling."""
-        if self.perf_params is None or self.profile_plan or not self.cfg.adaptive:
-            return None
-        if self.perf_params is not self._throughput_key:
-            self._throughput_key = self.perf_params
-            self._throughput_fn = ThroughputFunction(
-                self.perf_params, min_batch_size=self.min_batch,
-                max_batch_size=self.max_batch, local_bsz_bounds=self.bsz_bounds,
-                accumulation=True, fixed_batch_size=self.fixed_batch)
-        return self._throughput_fn
 
     def limit(self) -> int:
         """Most GPUs the job can ever use: its cap, the traces, the cluster, its batch."""
         if self.replica_cap is not None:
             return int(self.replica_cap)
-        return int(min(self.user_cap or self.cfg.total_gpus, self.trace.max_replicas,
-                       self.cfg.total_gpus, self.max_batch // self.trace.min_local_bsz))
-
-    def max_replicas(self) -> int:
-        """Most GPUs the policy may give: the exploration cap (or the count being
-        profiled) and the job's limits."""
-        if self.replica_cap is not None:
-            return int(self.replica_cap)
-        if self.profile_plan:
-            return min(self.profile_plan[0], self.limit())
-        cap = max(2 * self.max_seen_replicas, 1)  # exploration cap (Pollux Sec. 4.1)
-        return min(cap, self.limit())
+        return max(1, int(min(self.user_cap or self.cfg.total_gpus, self.trace.max_replicas,
+                              self.cfg.total_gpus, self.max_batch // self.trace.min_local_bsz)))
 
     def start_profile(self, profile: ProfileConfig | None) -> None:
         """On arrival: plan the GPU counts to profile (adaptive jobs without a pinned
@@ -372,19 +356,117 @@ class SimJob:
             self.profile_plan = profile.counts(self.limit())
             self.profile_clock = 0.0
 
+    # --- what the coordinator would read: the store's messages ---------------------------
+    def spec_message(self) -> JobSpec:
+        """The job as ``pollux-run`` would submit it: ``-np`` what it needs to run (1 GPU
+        for an adaptive job, its gang for a TunedJobs one), ``--max-np`` its
+        :meth:`limit`, ``--min-np`` what admission promised it, and the rescale model's
+        kind of elasticity. A TunedJobs job, and a job that is profiling, reports no
+        model (``reports_goodput`` False): the coordinator's prior for such a job grows
+        linearly, as a perfectly scalable job's, up to its gang or the count profiled."""
+        limit = self.limit()
+        initial = min(self.need, limit)
+        return JobSpec(
+            name=self.name, command=("simulated", self.trace.name),
+            initial_replicas=initial, min_replicas=min(max(1, self.min_replicas), initial),
+            max_replicas=limit, submit_time=self.trace_job.submit_time,
+            elasticity=ELASTICITY[self.cfg.rescale_model],
+            reports_goodput=self.cfg.adaptive and not self.profile_plan)
+
+    def rescale_s(self) -> float:
+        """What one grow at the job's current size costs it (its stall): what its agents
+        measure and report, a live job's in its hints, a restarting one's in its
+        generation."""
+        return self.cfg.rescale_cost.expected_stall(
+            self.cfg.rescale_model, self.state_bytes, max(1, sum(self.placement)))
+
+    def hints_message(self) -> JobHints:
+        """What the job's agent reports: its batch limits, its fitted model (withheld
+        while it profiles), the most replicas and nodes it has run on, a live job's
+        rescale pause, and while it profiles a request for the count being profiled.
+
+        A job whose batch is fixed (pinned, max-bs, TunedJobs) reports it as its initial
+        batch with ``adaptive_batch_size`` off, as a live job of a fixed batch does; its
+        gradient noise is normalised to that batch (Pollux Eqn 4-5)."""
+        fixed, grad = self.fixed_batch, self.grad_params
+        m0 = self.trace.init_batch_size if fixed is None else int(fixed)
+        model = self.perf_params is not None and grad is not None and not self.profile_plan
+        live = ELASTICITY[self.cfg.rescale_model] == "live"
+        return JobHints(
+            init_batch_size=m0, max_batch_size=max(self.max_batch, m0),
+            local_bsz_bounds=self.bsz_bounds,
+            min_batch_size=(self.min_batch if fixed is None and self.min_batch > m0
+                            else None),
+            gradient_accumulation=True, adaptive_batch_size=fixed is None,
+            perf_params=self.perf_params.to_dict() if model else None,
+            grad_sqr=float(grad.sqr) if model else None,
+            grad_var=float(grad.var) * self.trace.init_batch_size / m0 if model else None,
+            max_profiled_replicas=self.max_seen_replicas,
+            max_profiled_nodes=self.max_seen_nodes,
+            num_nodes=len(self.placement), num_replicas=sum(self.placement),
+            local_bsz=self.atomic_bsz, accum_steps=self.accum_steps,
+            progress=self.progress, rescale_s=self.rescale_s() if live else None,
+            max_replicas_wanted=self.profile_plan[0] if self.profile_plan else None)
+
+    def allocation_message(self) -> Allocation | None:
+        """The job's allocation as the coordinator writes it (one node name per replica,
+        a new version for every change: its restarts + 1); None before it first ran."""
+        if self.restarts is None:
+            return None
+        nodes = tuple(f"node-{n}" for n, count in enumerate(self.alloc.tolist())
+                      for _ in range(count))
+        return Allocation(version=self.restarts + 1, nodes=nodes)
+
+    def generation_message(self) -> JobGeneration | None:
+        """A restarting job's measured cost of one restart (None for a live job)."""
+        if ELASTICITY[self.cfg.rescale_model] != "restart":
+            return None
+        return JobGeneration(startup_s=self.rescale_s())
+
+    def policy_view(self, now: float) -> JobInfo:
+        """The policy's view of the job at ``now``: its messages through the coordinator's
+        own translation, so that the simulator schedules a job exactly as the live
+        coordinator would in the same state (exploration cap, limits, priors, delays)."""
+        hints = self.hints_message()
+        speedup_fn, throughput_fn = self._model_functions(hints)
+        # (through the module: the one translation, whatever it is when this runs)
+        return coordinator_jobs.job_info(
+            self.spec_message(), hints, self.allocation_message(), now,
+            speedup_fn=speedup_fn, generation=self.generation_message(),
+            cost=self.cfg.rescale_cost, throughput_fn=throughput_fn,
+            cap_unmodelled=self.cfg.cap_unmodelled)
+
+    def _model_functions(self, hints: JobHints) -> tuple[SpeedupFn | None, SpeedupFn | None]:
+        """The coordinator's speedup and throughput functions of the model in ``hints``,
+        built once per fit (their memo tables are worth keeping across rounds)."""
+        if hints.perf_params is None:
+            return None, None
+        key = (self.perf_params, self.grad_params)
+        if key != self._model_key:
+            self._model_key = key
+            self._models = (
+                coordinator_jobs.model_speedup(
+                    hints, single_replica_accumulation=self.cfg.single_replica_accumulation),
+                coordinator_jobs.model_throughput(hints))
+        return self._models
+
+    def speedup_fn(self) -> SpeedupFn:
+        """The speedup function the policy sees now (see :meth:`policy_view`)."""
+        return self.policy_view(self.trace_job.submit_time).speedup_fn
+
+    def max_replicas(self) -> int:
+        """Most GPUs the policy may give now (see :meth:`policy_view`)."""
+        return self.policy_view(self.trace_job.submit_time).max_replicas
+
     def job_info(self, now: float) -> JobInfo:
+        """One round's report to the policy: the next count to profile once this one is
+        done, a refit if the job saw something new, then :meth:`policy_view`."""
         if self.profile_plan and self.profile_clock >= self.cfg.profile.seconds - EPS:
             self.profile_plan.pop(0)  # this count is profiled: on to the next
             self.profile_clock = 0.0
         if self.cfg.adaptive:  # TunedJobs never use a model: save the fit
             self.refit()
-        delay = self.cfg.rescale_cost.expected_stall(
-            self.cfg.rescale_model, self.state_bytes, max(1, sum(self.placement)))
-        return JobInfo(name=self.name, speedup_fn=self.speedup_fn(),
-                       age=now - self.spec.submit_time, restarts=self.restarts or 0,
-                       min_replicas=self.min_replicas, max_replicas=self.max_replicas(),
-                       preemptible=True, realloc_delay=delay,
-                       throughput_fn=self.throughput_fn())
+        return self.policy_view(now)
 
     def choose_batch(self) -> None:
         """Pick (per-GPU batch m, accumulation steps s) for the current placement."""
@@ -673,7 +755,7 @@ def _interfered(jobs: Sequence[SimJob], cfg: SimConfig) -> set[int]:
 
 
 def simulate(
-    specs: Sequence[JobSpec],
+    specs: Sequence[TraceJob],
     traces: dict[str, ModelTrace],
     policy: Policy,
     cfg: SimConfig = SimConfig(),
@@ -692,25 +774,25 @@ def simulate(
     job is the policy's ``min_replicas`` = what it needs (admission promised it that).
     """
     if not specs:
-        raise ValueError("the workload has no jobs")
+        raise WorkloadError("the workload has no jobs")
     if not cfg.adaptive:
         too_big = [s for s in specs if (s.num_replicas or 0) > cfg.total_gpus]
         missing = [s for s in specs if s.num_replicas is None or s.batch_size is None]
         if missing:
-            raise ValueError("TunedJobs baselines need the workload's num_replicas and "
+            raise WorkloadError("TunedJobs baselines need the workload's num_replicas and "
                              f"batch_size columns (job {missing[0].name} has none)")
         if too_big:
-            raise ValueError(f"job {too_big[0].name} wants {too_big[0].num_replicas} GPUs but "
+            raise WorkloadError(f"job {too_big[0].name} wants {too_big[0].num_replicas} GPUs but "
                              f"the cluster has {cfg.total_gpus}; use a larger --nodes")
     t_wall = clock()
     jobs = [SimJob(s, traces[s.application], cfg, i) for i, s in enumerate(specs)]
     pool = NodePool(cfg.pool_nodes, cfg.gpus_per_node, cfg.nodes, cfg.boot_time)
     scaler = None if cfg.autoscale is None else SimAutoscaler(cfg.autoscale, policy, pool)
     result = SimResult(policy=policy_name or getattr(policy, "name", type(policy).__name__),
-                       config=cfg, submit={j.name: j.spec.submit_time for j in jobs},
-                       completion={}, application={j.name: j.spec.application for j in jobs},
+                       config=cfg, submit={j.name: j.trace_job.submit_time for j in jobs},
+                       completion={}, application={j.name: j.trace_job.application for j in jobs},
                        restarts={})
-    pending = sorted(jobs, key=lambda j: (j.spec.submit_time, j.index))
+    pending = sorted(jobs, key=lambda j: (j.trace_job.submit_time, j.index))
     active: list[SimJob] = []
     waiting: list[SimJob] = []  # arrived, not admitted (yet)
     now, nxt = 0.0, 0
@@ -724,7 +806,7 @@ def simulate(
                     and (scaler is None or scaler.settled(now))):
                 # idle cluster: skip to the next arrival
                 # Rounds stay on the k * interval grid (k >= 1), as in the authors' simulator.
-                first = pending[nxt].spec.submit_time
+                first = pending[nxt].trace_job.submit_time
                 k = max(1, math.ceil(first / cfg.interval - EPS))
                 now = max(now, k * cfg.interval)
             else:
@@ -743,7 +825,7 @@ def simulate(
             if done:
                 bar.update(len(done))
                 active = [j for j in active if j.completion_time is None]
-            while nxt < len(pending) and pending[nxt].spec.submit_time <= now:
+            while nxt < len(pending) and pending[nxt].trace_job.submit_time <= now:
                 waiting.append(pending[nxt])
                 nxt += 1
             if waiting:
@@ -815,8 +897,8 @@ def _admit(waiting: list[SimJob], active: list[SimJob], cfg: SimConfig, now: flo
         admit, dropped, keep = waiting, {}, []
     else:
         decision = decide_admission(
-            adm, [Candidate(j.name, j.spec.submit_time, j.need) for j in waiting],
-            [Candidate(j.name, j.spec.submit_time, j.need) for j in active],
+            adm, [Candidate(j.name, j.trace_job.submit_time, j.need) for j in waiting],
+            [Candidate(j.name, j.trace_job.submit_time, j.need) for j in active],
             cfg.total_gpus, now)
         names, dropped = set(decision.admit), dict(decision.drop)
         admit = [j for j in waiting if j.name in names]

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 from scipy.spatial import Delaunay
 
+from pollux_launch.errors import UserError
+
 TRACES_DIR = Path(__file__).resolve().parent / "traces"
 MODELS_DIR = TRACES_DIR / "models"
 
@@ -70,9 +72,13 @@ def _read_csv(path: Path) -> dict[str, np.ndarray]:
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     if not rows:
-        raise ValueError(f"trace file {path} has no rows")
+        raise TraceError(f"trace file {path} has no rows")
     return {k: np.array([r[k] for r in rows]) for k in rows[0]}
 
+
+
+class TraceError(UserError, ValueError):
+    """A trace file or folder that is missing or empty."""
 
 @dataclass
 class ModelTrace:
@@ -233,7 +239,7 @@ def load_model(name: str, models_dir: Path | str = MODELS_DIR) -> ModelTrace:
 def _load_model(name: str, models_dir: str) -> ModelTrace:
     root = Path(models_dir) / name
     if not root.is_dir():
-        raise ValueError(f"no trace for model {name!r} under {models_dir}; "
+        raise TraceError(f"no trace for model {name!r} under {models_dir}; "
                          f"known models: {', '.join(available_models(models_dir))}")
     val_files = sorted(root.glob("validation-*.csv"), key=lambda p: int(p.stem.split("-")[1]))
     batch_sizes = np.array([int(p.stem.split("-")[1]) for p in val_files])
@@ -286,7 +292,7 @@ def available_models(models_dir: Path | str = MODELS_DIR) -> list[str]:
     """Names of the models with trace tables."""
     root = Path(models_dir)
     if not root.is_dir():
-        raise ValueError(f"trace directory {root} does not exist")
+        raise TraceError(f"trace directory {root} does not exist")
     return sorted(p.name for p in root.iterdir() if (p / "placements.csv").is_file())
 
 

@@ -20,18 +20,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pollux_launch.errors import UserError
+
 REQUIRED_COLUMNS = ("name", "time", "application")
 TUNED_COLUMNS = ("num_replicas", "batch_size")
 LIMIT_COLUMNS = ("min_batch_size", "max_batch_size", "max_replicas")
 
 
-class WorkloadError(ValueError):
+class WorkloadError(UserError, ValueError):
     """A workload file the simulator cannot replay; the message says what and where."""
 
 
 @dataclass(frozen=True)
-class JobSpec:
-    """One submitted job."""
+class TraceJob:
+    """One row of a workload trace: when a job arrives, the model it trains and the
+    limits the trace gives it. Not the store's ``messages.JobSpec``: the simulator
+    writes that one from a trace job's state (``SimJob.spec_message``)."""
 
     name: str
     submit_time: float
@@ -43,7 +47,7 @@ class JobSpec:
     max_replicas: int | None = None  # most GPUs the job may use (None: no cap)
 
 
-def load_workload(path: str | Path, known_models: Iterable[str]) -> list[JobSpec]:
+def load_workload(path: str | Path, known_models: Iterable[str]) -> list[TraceJob]:
     """Read and validate a workload CSV; jobs come back sorted by submission time."""
     path = Path(path)
     known = sorted(known_models)
@@ -109,7 +113,7 @@ def load_workload(path: str | Path, known_models: Iterable[str]) -> list[JobSpec
         if limits.get("min_batch_size", 0) > limits.get("max_batch_size", math.inf):
             raise bad("min_batch_size", f"min_batch_size {limits['min_batch_size']} exceeds "
                                         f"max_batch_size {limits['max_batch_size']}")
-        jobs.append(JobSpec(name, t, app, tuned[0], tuned[1], **limits))
+        jobs.append(TraceJob(name, t, app, tuned[0], tuned[1], **limits))
     jobs.sort(key=lambda j: j.submit_time)  # stable: ties keep file order
     return jobs
 
@@ -123,7 +127,7 @@ def _positive_int(text) -> int | None:
         return None
 
 
-def write_workload(specs: Iterable[JobSpec], path: str | Path) -> Path:
+def write_workload(specs: Iterable[TraceJob], path: str | Path) -> Path:
     """Write ``specs`` as a workload CSV that :func:`load_workload` reads back unchanged.
 
     Columns: the required ones, the TunedJobs ones if every job has them, and each limit

@@ -10,9 +10,13 @@ three things:
   broadcasts the answer so that every replica applies it at the same step boundary.
 * ``lr_factor(batch_size)`` - the LR multiplier of the configured rule (AdaScale for SGD,
   square root for Adam-family by default).
-* ``hints(...)`` / ``report(...)`` - the job's ``JobHints`` (fitted throughput model,
-  gradient statistics, limits, progress) written to the store every ``report_interval``
-  seconds by rank 0, for the coordinator.
+* ``hints(...)`` - the job's ``JobHints`` (fitted throughput model, gradient
+  statistics, limits, progress), due every ``report_interval`` seconds
+  (``report_due``/``reported``); rank 0's ``elastic.hints.HintsReporter`` writes them to
+  the store, for the coordinator.
+
+Pure: no store, no environment. What pollux-run says through the environment (the
+batch-size range's flags) is read by the caller and handed in (``batch_range``).
 
 The throughput model is refitted from the profile at most once per ``fit_interval`` and
 only when the profile changed; between fits the last fit is reused, and so is it when a
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,9 +35,8 @@ from typing import Any
 import numpy as np
 
 from .. import env as envvars
-from .. import keys
 from ..goodput import GoodputFunction, GridCache, PerfParams, fit_perf_params, scale_lr
-from ..messages import JobHints, encode
+from ..messages import JobHints
 from .gns import GradNoise
 from .profile import StepProfile
 from .progress import StatisticalProgress
@@ -80,10 +82,11 @@ class TunerConfig:
 def batch_range(init_batch_size: int, max_batch_size: int, min_batch_size: int | None = None,
                 environ: Mapping[str, str] | None = None) -> tuple[int | None, int]:
     """The job's ``(min, max)`` total batch: the script's, narrowed by pollux-run's
-    ``--min-batch-size``/``--max-batch-size`` (through the environment). The max never
-    falls below ``init_batch_size`` (M0 is where training starts). Raises ValueError
-    (one line) when nothing is left."""
-    environ = os.environ if environ is None else environ
+    ``--min-batch-size``/``--max-batch-size`` as ``environ`` carries them (the worker's
+    environment, read by the caller: ``elastic.factory``; None narrows nothing). The max
+    never falls below ``init_batch_size`` (M0 is where training starts). Raises
+    ValueError (one line) when nothing is left."""
+    environ = {} if environ is None else environ
     lo, hi = min_batch_size, max_batch_size
     try:
         if environ.get(envvars.MIN_BATCH_SIZE):
@@ -263,11 +266,11 @@ class GoodputTuner:
     def report_due(self) -> bool:
         return self._clock() - self._last_report >= self.config.report_interval
 
-    def report(self, store: Any, job: str, hints: JobHints) -> None:
-        """Write the hints (rank 0). Store trouble is not the training's problem: the
-        caller catches ``StoreError`` and tries again at the next report."""
+    def reported(self) -> None:
+        """The hints were just handed to the store (``elastic.hints.HintsReporter``): the
+        next report is due ``report_interval`` from now, whether the write succeeds or
+        not (a failed one is tried again then)."""
         self._last_report = self._clock()
-        store.put(keys.job(job, "hints"), encode(hints))
 
     # -- state that travels with the job (rank 0 -> newcomers) -----------------------
     def state_dict(self) -> dict[str, Any]:

@@ -7,10 +7,10 @@ Backends are imported on first use, so the etcd client is only needed for etcd U
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from pollux_launch.env import DEFAULT_PREFIX
+from pollux_launch.registry import Registry
 
 from .base import (
     Compare,
@@ -32,52 +32,39 @@ __all__ = [
     "unregister_backend",
 ]
 
-# scheme -> "module:factory"; a factory is called as factory(url, prefix, **options)
-_BACKENDS: dict[str, str | Callable[..., Store]] = {
-    "embedded": f"{__name__}.embedded:EmbeddedStore.from_url",
-    "etcd": f"{__name__}.etcd:EtcdStore.from_url",
-}
+# scheme -> factory, called as factory(url, prefix, **options); built-ins imported on
+# first use, so that the etcd client is only needed for etcd URLs
+_BACKENDS: Registry[Callable[..., Store]] = Registry(
+    "store scheme", check=callable, expects="a callable factory(url, prefix, **options)",
+    lazy=True, fold=str.lower, valid_name=lambda scheme: "://" not in scheme)
+_BACKENDS.register("embedded", f"{__name__}.embedded:EmbeddedStore.from_url")
+_BACKENDS.register("etcd", f"{__name__}.etcd:EtcdStore.from_url")
 
 
 def register_backend(
     scheme: str, factory: str | Callable[..., Store], *, replace: bool = False
 ) -> None:
     """Make ``open_store`` open ``scheme://...`` URLs with ``factory(url, prefix, **opts)``
-    (a callable, or "module:attr.path" imported on first use).
+    (a callable, or "module:attr.path" imported on first use); schemes match
+    case-insensitively.
 
-    Raises ValueError if ``scheme`` is taken, unless ``replace=True``: two plug-ins
-    claiming one scheme is a mistake to see, not to settle by import order.
+    Raises RegistryError (a ValueError) if ``scheme`` is taken, unless ``replace=True``:
+    two plug-ins claiming one scheme is a mistake to see, not to settle by import order.
     """
-    if not isinstance(scheme, str) or not scheme or "://" in scheme:
-        raise ValueError(f"store scheme must be a name such as 'etcd', got {scheme!r}")
-    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise ValueError(f"store backend {scheme!r}: factory must be a callable or "
-                         f"'module:attr', got {factory!r}")
-    scheme = scheme.lower()  # open_store matches schemes case-insensitively
-    if scheme in _BACKENDS and not replace:
-        raise ValueError(f"store scheme {scheme!r} is already registered; "
-                         "pass replace=True to replace it")
-    _BACKENDS[scheme] = factory
+    _BACKENDS.register(scheme, factory, replace=replace)
 
 
 def unregister_backend(scheme: str) -> None:
     """Forget ``scheme`` (KeyError if it is not registered)."""
-    del _BACKENDS[scheme.lower()]
+    _BACKENDS.unregister(scheme)
 
 
 def _factory(scheme: str) -> Callable[..., Store]:
-    entry = _BACKENDS[scheme]
-    if callable(entry):
-        return entry
-    module, _, attrs = entry.partition(":")
     try:
-        obj = importlib.import_module(module)
+        return _BACKENDS.get(scheme)
     except ImportError as exc:
         raise StoreError(f"the {scheme} store needs a package that is missing ({exc.name}); "
                          "install it with: pip install 'pollux-launch[etcd]'") from None
-    for attr in attrs.split("."):
-        obj = getattr(obj, attr)
-    return obj
 
 
 def open_store(url: str, prefix: str = DEFAULT_PREFIX, **options: object) -> Store:
@@ -92,7 +79,7 @@ def open_store(url: str, prefix: str = DEFAULT_PREFIX, **options: object) -> Sto
     scheme = url.split("://", 1)[0].lower()
     if scheme not in _BACKENDS:
         raise StoreError(f"unknown store URL scheme {scheme!r} in {url!r}; "
-                         f"use one of: {', '.join(sorted(_BACKENDS))}")
+                         f"use one of: {', '.join(_BACKENDS.names())}")
     if not isinstance(prefix, str):
         raise StoreError(f"store prefix must be a str such as {DEFAULT_PREFIX!r}, "
                          f"got {prefix!r}")

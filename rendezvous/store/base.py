@@ -29,8 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from pollux_launch.errors import UserError
 
-class StoreError(RuntimeError):
+
+class StoreError(UserError, RuntimeError):
     """A store problem the user must fix (bad URL, bad options, bad credentials)."""
 
 

@@ -23,11 +23,11 @@ pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/i
 pytest.importorskip("sklearn", reason="the example needs scikit-learn (pollux-launch[examples])")
 
 from pollux_launch import keys
-from pollux_launch.adapters.horovod.command import (
+from pollux_launch.adapters.horovod.launch.command import (
     REMOVED_WORKER_EXIT_CODE,
     horovodrun_command,
 )
-from pollux_launch.adapters.horovod.hosts import (
+from pollux_launch.adapters.horovod.launch.hosts import (
     HostsFileMirror,
     write_discovery_script,
 )

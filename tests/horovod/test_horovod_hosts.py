@@ -11,12 +11,12 @@ import time
 import pytest
 
 from pollux_launch import keys
-from pollux_launch.adapters.horovod.command import (
+from pollux_launch.adapters.horovod.launch.command import (
     REMOVED_WORKER_EXIT_CODE,
     horovodrun_command,
     worker_failed,
 )
-from pollux_launch.adapters.horovod.hosts import (
+from pollux_launch.adapters.horovod.launch.hosts import (
     HostsFileMirror,
     format_hosts,
     hosts_from_allocation,
@@ -121,13 +121,13 @@ def test_mirror_holds_growth_until_newcomers_are_ready(embedded, tmp_path):
 def test_discover_entry_point_reads_the_store(embedded):
     url, store = embedded
     store.put(keys.job("j2", "allocation"), encode(Allocation(7, ("h1", "h2", "h1"))))
-    cmd = [sys.executable, "-m", "pollux_launch.adapters.horovod.discover",
+    cmd = [sys.executable, "-m", "pollux_launch.adapters.horovod.launch.discover",
            "--store", url, "--job", "j2"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     assert out.stdout == "h1:2\nh2:1\n"
     # The entry point must stay cheap: nothing heavy imported.
     probe = (f"import sys; sys.argv=['d','--store',{url!r},'--job','j2'];"
-             "import pollux_launch.adapters.horovod.discover as d; d.main();"
+             "import pollux_launch.adapters.horovod.launch.discover as d; d.main();"
              "bad=[m for m in ('torch','numpy','horovod') if m in sys.modules];"
              "sys.exit(bool(bad))")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0

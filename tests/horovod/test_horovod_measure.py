@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/install-horovod.sh")
 
-from pollux_launch.adapters.horovod.command import horovodrun_path
+from pollux_launch.adapters.horovod.launch.command import horovodrun_path
 
 WORKER = Path(__file__).with_name("gns_worker.py")
 

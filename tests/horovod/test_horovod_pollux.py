@@ -26,7 +26,7 @@ pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/i
 pytest.importorskip("sklearn", reason="the example needs scikit-learn (pollux-launch[examples])")
 
 from pollux_launch import keys
-from pollux_launch.adapters.horovod.command import REMOVED_WORKER_EXIT_CODE
+from pollux_launch.adapters.horovod.launch.command import REMOVED_WORKER_EXIT_CODE
 from pollux_launch.messages import (
     Allocation,
     JobHints,

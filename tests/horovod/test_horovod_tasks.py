@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pollux_launch import keys
-from pollux_launch.adapters.horovod.tasks import StoreExec, split_command, task_variables
+from pollux_launch.adapters.horovod.launch.tasks import StoreExec, split_command, task_variables
 from pollux_launch.launcher.node_agent import NodeAgent
 from pollux_launch.messages import Allocation, JobSpec, NodeInfo, WorkerTask, encode
 from pollux_launch.rendezvous.store import open_store

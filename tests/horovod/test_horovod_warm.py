@@ -1,4 +1,4 @@
-"""Pre-started Horovod newcomers (adapters/horovod/warm.py, zygote.py, handoff.py), with
+"""Pre-started Horovod newcomers (adapters/horovod/launch/warm.py, zygote.py, handoff.py), with
 real processes: the hand-off shim, the warm zygote and its forked workers; then real
 ``horovodrun`` growing a job whose newcomers come from the zygote."""
 
@@ -19,9 +19,12 @@ import pytest
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/install-horovod.sh")
 
 from pollux_launch import keys
-from pollux_launch.adapters.horovod.command import horovodrun_command, write_horovodrun_script
-from pollux_launch.adapters.horovod.hosts import HostsFileMirror, write_discovery_script
-from pollux_launch.adapters.horovod.warm import ENV_SOCKET, WarmStart, python_command
+from pollux_launch.adapters.horovod.launch.command import (
+    horovodrun_command,
+    write_horovodrun_script,
+)
+from pollux_launch.adapters.horovod.launch.hosts import HostsFileMirror, write_discovery_script
+from pollux_launch.adapters.horovod.launch.warm import ENV_SOCKET, WarmStart, python_command
 from pollux_launch.messages import Allocation, encode
 from pollux_launch.rendezvous.store import open_store
 

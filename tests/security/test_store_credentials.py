@@ -19,9 +19,9 @@ from pollux_launch.rendezvous.store import open_store
 ROOT_PASSWORD = "pw-root-0123456789"
 WORKER = """
 import json, os, sys
-from pollux_launch import env
 from pollux_launch.rendezvous.store import StoreError
-store = env.store_from_env()
+from pollux_launch.rendezvous.store.environ import store_from_env
+store = store_from_env()
 job = os.environ["POLLUX_JOB"]
 out = {"user": os.environ.get("POLLUX_STORE_USER"), "environ": repr(dict(os.environ)),
        "argv": sys.argv}

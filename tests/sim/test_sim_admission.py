@@ -17,7 +17,7 @@ from pollux_launch.sim import simulator as sim_mod
 from pollux_launch.sim.run import build_policy, run_specs, run_workload
 from pollux_launch.sim.simulator import ProfileConfig, SimConfig, simulate
 from pollux_launch.sim.traces import load_model
-from pollux_launch.sim.workload import JobSpec, load_workload
+from pollux_launch.sim.workload import TraceJob, load_workload
 
 VALIDATION = """progress,iteration,metric,grad_sqr,grad_var
 600,600,0.5,1.0,0.0
@@ -50,7 +50,7 @@ class OneGPUEach:
 
 
 def _specs(*rows):
-    return [JobSpec(name, float(t), "toy") for name, t in rows]
+    return [TraceJob(name, float(t), "toy") for name, t in rows]
 
 
 # --- admission none: today's behaviour ------------------------------------------------------
@@ -212,7 +212,7 @@ def test_workload_ranges_and_caps_are_honoured(tmp_path, monkeypatch):
 
 
 def test_a_range_outside_the_traces_is_one_line(tmp_path):
-    spec = JobSpec("x", 0.0, "cifar10", min_batch_size=64, max_batch_size=512)
+    spec = TraceJob("x", 0.0, "cifar10", min_batch_size=64, max_batch_size=512)
     with pytest.raises(ValueError) as info:
         run_specs([spec], "pollux-dp", SimConfig(nodes=1, gpus_per_node=4))
     assert str(info.value) == ("job x: batch-size range [64, 512] must lie within [128, "
@@ -222,9 +222,9 @@ def test_a_range_outside_the_traces_is_one_line(tmp_path):
 # --- max-bs and saxena-dp -----------------------------------------------------------------------
 
 def test_max_bs_keeps_each_jobs_batch_at_its_max(tmp_path, monkeypatch):
-    specs = [JobSpec("c0", 0.0, "cifar10", min_batch_size=128, max_batch_size=1024,
+    specs = [TraceJob("c0", 0.0, "cifar10", min_batch_size=128, max_batch_size=1024,
                      max_replicas=4),
-             JobSpec("b1", 30.0, "bert", min_batch_size=12, max_batch_size=96,
+             TraceJob("b1", 30.0, "bert", min_batch_size=12, max_batch_size=96,
                      max_replicas=4)]
     name, policy, cfg = build_policy("max-bs", SimConfig(nodes=1, gpus_per_node=4))
     assert name == "max-bs" and policy.name == "saxena-dp" and cfg.fixed_max_batch
@@ -252,7 +252,7 @@ def test_max_bs_keeps_each_jobs_batch_at_its_max(tmp_path, monkeypatch):
 
 
 def test_saxena_dp_gives_every_admitted_job_a_gpu(tmp_path):
-    specs = [JobSpec(f"j{i}-{m}", 40.0 * i, m, max_replicas=8)
+    specs = [TraceJob(f"j{i}-{m}", 40.0 * i, m, max_replicas=8)
              for i, m in enumerate(["cifar10", "bert", "deepspeech2", "cifar10", "yolov3",
                                     "bert", "cifar10", "deepspeech2", "bert"])]
     engine = make_policy("saxena-dp")
@@ -291,7 +291,7 @@ def test_profile_on_arrival_runs_each_count_then_competes(tmp_path, monkeypatch)
     assert ProfileConfig(ladder="ends").counts(16) == [1, 8]
     cfg = SimConfig(nodes=1, gpus_per_node=4, profile=profile)
     _, policy, cfg = build_policy("pollux-dp", cfg)
-    res = simulate([JobSpec("c", 0.0, "cifar10")], {"cifar10": load_model("cifar10")},
+    res = simulate([TraceJob("c", 0.0, "cifar10")], {"cifar10": load_model("cifar10")},
                    policy, cfg)
     # each count: one 60 s round (30 s restart, 30 s of training), then the job competes
     # (on the whole 4-GPU cluster, where the last count left it)

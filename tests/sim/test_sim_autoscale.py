@@ -13,12 +13,12 @@ from pollux_launch.sim.autoscale import NodePool
 from pollux_launch.sim.run import config_for, run_specs
 from pollux_launch.sim.simulator import SimConfig, simulate
 from pollux_launch.sim.traces import load_model
-from pollux_launch.sim.workload import JobSpec
+from pollux_launch.sim.workload import TraceJob
 
 CR = "checkpoint-restart"  # 60 s rounds, 30 s per change: few rounds, fast tests
 
-MIXED = [JobSpec("cifar10-0", 0.0, "cifar10"), JobSpec("ncf-1", 30.0, "ncf"),
-         JobSpec("bert-2", 100.0, "bert"), JobSpec("deepspeech2-3", 200.0, "deepspeech2")]
+MIXED = [TraceJob("cifar10-0", 0.0, "cifar10"), TraceJob("ncf-1", 30.0, "ncf"),
+         TraceJob("bert-2", 100.0, "bert"), TraceJob("deepspeech2-3", 200.0, "deepspeech2")]
 
 
 def _run(specs, scale=None, nodes=1, boot=60.0, policy=None, **fields):
@@ -89,7 +89,7 @@ def test_default_policy_fixed_cluster_matches_a_pinned_autoscaler():
 
 # --- growing and shrinking -----------------------------------------------------------------
 def test_grows_while_utility_is_high_and_shrinks_to_min_without_work():
-    specs = [JobSpec("a", 0.0, "cifar10"), JobSpec("b", 8000.0, "cifar10")]
+    specs = [TraceJob("a", 0.0, "cifar10"), TraceJob("b", 8000.0, "cifar10")]
     scale = AutoscaleConfig(1, 4, min_lifetime=300)
     res = _run(specs, scale)
     held, times = np.array(res.cluster["held"]), np.array(res.cluster["time"])
@@ -111,7 +111,7 @@ def test_grows_while_utility_is_high_and_shrinks_to_min_without_work():
 
 def test_shrinks_when_utility_is_low_while_a_job_runs():
     # one job capped at 1 GPU on 4 nodes: utility 1/16, below L; lifetime 300 s
-    specs = [JobSpec("solo", 0.0, "cifar10", max_replicas=1)]
+    specs = [TraceJob("solo", 0.0, "cifar10", max_replicas=1)]
     res = _run(specs, AutoscaleConfig(1, 4, min_lifetime=300), nodes=4)
     held, times = np.array(res.cluster["held"]), np.array(res.cluster["time"])
     active = np.array(res.cluster["active_jobs"])
@@ -123,7 +123,7 @@ def test_shrinks_when_utility_is_low_while_a_job_runs():
 
 
 def test_never_releases_a_node_younger_than_min_lifetime_on_a_busy_workload():
-    specs = [JobSpec(f"j{i}", 400.0 * i, app)
+    specs = [TraceJob(f"j{i}", 400.0 * i, app)
              for i, app in enumerate(["cifar10", "bert", "ncf", "cifar10", "deepspeech2",
                                       "cifar10", "ncf", "bert"])]
     for lifetime in (0.0, 900.0):
@@ -137,7 +137,7 @@ def test_never_releases_a_node_younger_than_min_lifetime_on_a_busy_workload():
 
 
 def test_booting_delays_capacity_and_is_billed():
-    specs = [JobSpec("a", 0.0, "cifar10")]
+    specs = [TraceJob("a", 0.0, "cifar10")]
     scale = AutoscaleConfig(1, 4)
     fast, slow = _run(specs, scale, boot=0.0), _run(specs, scale, boot=600.0)
     for res, boot in ((fast, 0.0), (slow, 600.0)):
@@ -169,7 +169,7 @@ def test_node_hours_integrate_the_held_nodes():
 
 
 def test_throughput_rule_grows_at_least_as_far_as_goodput_early_on():
-    specs = [JobSpec("imagenet-0", 0.0, "imagenet")]
+    specs = [TraceJob("imagenet-0", 0.0, "imagenet")]
     runs = {rule: _run(specs, AutoscaleConfig(1, 8, rule=rule), horizon=3600.0)
             for rule in ("goodput", "throughput")}
     held = {rule: np.array(r.cluster["held"]) for rule, r in runs.items()}
@@ -265,7 +265,7 @@ def test_sim_config_checks_the_starting_size():
 
 
 def test_an_empty_start_grows_for_the_first_job():
-    res = _run([JobSpec("a", 0.0, "cifar10")], AutoscaleConfig(0, 2, min_lifetime=0), nodes=0,
+    res = _run([TraceJob("a", 0.0, "cifar10")], AutoscaleConfig(0, 2, min_lifetime=0), nodes=0,
                boot=60.0)
     assert res.jcts["a"] > 60.0  # waited for a node to boot
     assert res.leases[0][0] > 0 and max(res.cluster["held"]) >= 1
@@ -284,14 +284,14 @@ def test_policy_infos_keep_their_limits(tmp_path):
 
     traces = {"cifar10": load_model("cifar10")}
     cfg = SimConfig(nodes=1, gpus_per_node=4, autoscale=AutoscaleConfig(1, 3), boot_time=0.0)
-    res = simulate([JobSpec("a", 0.0, "cifar10")], traces, Spy(), cfg)
+    res = simulate([TraceJob("a", 0.0, "cifar10")], traces, Spy(), cfg)
     assert infos_seen and all(i[0].max_replicas <= 12 for i in infos_seen)
     assert res.jcts
 
 
 def test_a_gang_larger_than_the_cluster_makes_it_grow():
     # TunedJobs: 8 GPUs or nothing, on a cluster starting with 4 GPUs
-    spec = JobSpec("big", 0.0, "cifar10", num_replicas=8, batch_size=2048)
+    spec = TraceJob("big", 0.0, "cifar10", num_replicas=8, batch_size=2048)
     res = _run([spec], AutoscaleConfig(1, 4), policy="tuned-fifo")
     assert res.jcts["big"] < 3600 and max(res.cluster["held"]) >= 2
     assert res.max_gpus["big"] == 8

@@ -15,7 +15,7 @@ from pollux_launch.sim.generate import (
     main,
 )
 from pollux_launch.sim.traces import available_models, load_model
-from pollux_launch.sim.workload import JobSpec, WorkloadError, load_workload, write_workload
+from pollux_launch.sim.workload import TraceJob, WorkloadError, load_workload, write_workload
 
 MODELS = available_models()
 HEADER = "name,time,application,min_batch_size,max_batch_size,max_replicas\n"
@@ -55,13 +55,13 @@ def test_bad_limit_columns_are_one_line(tmp_path, row, expected):
 
 
 def test_write_workload_round_trips(tmp_path):
-    specs = [JobSpec("a", 0.0, "bert", min_batch_size=12, max_batch_size=96),
-             JobSpec("b", 12.25, "cifar10", max_replicas=8),
-             JobSpec("c", 1234567.5, "ncf")]
+    specs = [TraceJob("a", 0.0, "bert", min_batch_size=12, max_batch_size=96),
+             TraceJob("b", 12.25, "cifar10", max_replicas=8),
+             TraceJob("c", 1234567.5, "ncf")]
     path = write_workload(specs, tmp_path / "out.csv")
     assert path.read_text().splitlines()[0] == HEADER.strip()
     assert load_workload(path, MODELS) == specs
-    tuned = [JobSpec("t", 5.0, "bert", 2, 48)]
+    tuned = [TraceJob("t", 5.0, "bert", 2, 48)]
     assert load_workload(write_workload(tuned, tmp_path / "t.csv"), MODELS) == tuned
 
 

@@ -67,3 +67,10 @@ def test_missing_file(tmp_path):
 
 def test_workload_error_is_a_value_error():
     assert issubclass(WorkloadError, ValueError)
+
+
+def test_workload_error_is_a_user_error():
+    # pollux-run prints a UserError as one line and exits 2
+    from pollux_launch.errors import PolluxError, UserError
+
+    assert issubclass(WorkloadError, UserError) and issubclass(WorkloadError, PolluxError)

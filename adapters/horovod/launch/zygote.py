@@ -2,7 +2,7 @@
 workers import, and forks a newcomer for every hand-off (:mod:`.handoff`).
 
     POLLUX_HVD_WARM_COMMAND='["python", "train.py", ...]' \\
-        python [its flags] -m pollux_launch.adapters.horovod.zygote SOCKET
+        python [its flags] -m pollux_launch.adapters.horovod.launch.zygote SOCKET
 
 Started by :class:`~.warm.WarmStart` with the job's interpreter, interpreter flags and
 environment (the command comes through the environment so that the zygote's own command
@@ -284,7 +284,7 @@ def _die_with_sender(conn: socket.socket) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m pollux_launch.adapters.horovod.zygote SOCKET "
+        print("usage: python -m pollux_launch.adapters.horovod.launch.zygote SOCKET "
               f"(with ${ENV_COMMAND})", file=sys.stderr)
         return 2
     try:

@@ -1,5 +1,5 @@
-"""What ``pollux-run`` needs to launch a Horovod Elastic job: the install check, the
-``horovodrun`` command line and how to read workers' exit codes.
+"""What ``pollux-run`` needs to launch a Horovod Elastic job: the ``horovodrun``
+command line and how to read workers' exit codes.
 
 Horovod's own elastic driver launches and resets the workers; ``pollux-run`` runs one
 ``horovodrun --gloo`` process whose host list comes from the job's allocation (a
@@ -20,31 +20,18 @@ discovery script, see :mod:`.hosts`). Facts this encodes (measured with Horovod 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-HOROVOD_INSTALL_HINT = (
-    "Horovod is not installed in this environment; install it with scripts/install-horovod.sh "
-    "(builds Horovod 0.28.1 with PyTorch and Gloo once, ~10 min, then reuses the cached wheel)"
-)
+from pollux_launch.arguments import OptionsError
+
+from ..available import HOROVOD_INSTALL_HINT, HorovodMissing
 
 # A worker that Horovod's driver removed in a reset exits with SIGABRT's status.
 REMOVED_WORKER_EXIT_CODE = 134
-
-
-def horovod_available() -> bool:
-    """Whether ``horovod`` can be imported here (without importing it)."""
-    return importlib.util.find_spec("horovod") is not None
-
-
-def require_horovod() -> None:
-    """Raise ``RuntimeError`` with the one-line install hint if Horovod is missing."""
-    if not horovod_available():
-        raise RuntimeError(HOROVOD_INSTALL_HINT)
 
 
 def horovodrun_path() -> str:
@@ -54,7 +41,7 @@ def horovodrun_path() -> str:
         return str(beside)
     found = shutil.which("horovodrun")
     if found is None:
-        raise RuntimeError(HOROVOD_INSTALL_HINT)
+        raise HorovodMissing(HOROVOD_INSTALL_HINT)
     return found
 
 
@@ -100,10 +87,10 @@ def horovodrun_command(
     ``horovodrun``: its path, or the argv that runs it (:func:`write_horovodrun_script`).
     """
     if not command:
-        raise ValueError("no training command given; e.g. pollux-run -np 2 python train.py")
+        raise OptionsError("no training command given; e.g. pollux-run -np 2 python train.py")
     if np < 1 or (min_np is not None and not 1 <= min_np <= np) or (
             max_np is not None and max_np < np):
-        raise ValueError(f"need 1 <= min-np <= np <= max-np, got np={np}, "
+        raise OptionsError(f"need 1 <= min-np <= np <= max-np, got np={np}, "
                          f"min-np={min_np}, max-np={max_np}")
     launcher = [horovodrun] if isinstance(horovodrun, str) else list(
         horovodrun or [horovodrun_path()])

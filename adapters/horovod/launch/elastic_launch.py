@@ -1,4 +1,4 @@
-"""``python -m pollux_launch.adapters.horovod.elastic_launch``: Horovod Elastic's driver for
+"""``python -m pollux_launch.adapters.horovod.launch.elastic_launch``: Horovod Elastic's driver for
 a job whose hosts are other machines' node agents (what ``horovodrun`` would be, minus ssh).
 
 Run by the launcher-side ``HorovodDriver`` in cluster mode, with the job's ``POLLUX_*``
@@ -27,6 +27,7 @@ from pollux_launch import env as envvars
 from pollux_launch.messages import Allocation, MessageError, ValueLog
 from pollux_launch.rendezvous.network import advertised_address, interface_of
 from pollux_launch.rendezvous.store import Store, StoreError
+from pollux_launch.rendezvous.store.environ import store_from_env
 
 from .hosts import read_allocation
 from .tasks import StoreExec, env_for_tasks
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from horovod.runner.gloo_run import launch_gloo_elastic
     from horovod.runner.http.http_server import RendezvousServer
 
-    store = envvars.store_from_env()
+    store = store_from_env()
     job = os.environ[envvars.JOB]
     nic = interface_of(advertised_address(store))
     if nic is None:

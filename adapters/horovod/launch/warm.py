@@ -174,7 +174,7 @@ class WarmStart:
             self.group.reap()
         self.served = False
         self.socket.unlink(missing_ok=True)
-        argv = [*self.target.interpreter, "-m", "pollux_launch.adapters.horovod.zygote",
+        argv = [*self.target.interpreter, "-m", "pollux_launch.adapters.horovod.launch.zygote",
                 str(self.socket)]
         self.group = WorkerGroup(self.job, argv, self.env, cwd=self.cwd, stdout=self.stdout)
         try:  # (Horovod starts every worker with PYTHONUNBUFFERED=1: the zygote's stdio is

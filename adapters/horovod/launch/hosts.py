@@ -15,7 +15,7 @@ Horovod's elastic driver runs a *host-discovery script* about once a second and 
   interrupts the survivors as soon as discovery reports new slots, and they wait for the
   newcomers from then on, so they had better be ready.
 
-``python -m pollux_launch.adapters.horovod.discover`` reads the store directly instead
+``python -m pollux_launch.adapters.horovod.launch.discover`` reads the store directly instead
 (no launcher-side mirror needed; light imports only) - see that module.
 """
 

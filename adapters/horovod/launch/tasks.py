@@ -40,7 +40,6 @@ from pollux_launch.launcher.drivers import (
     DriverContext,
     JobDriver,
     ProcessExit,
-    WorkerGroup,
 )
 from pollux_launch.messages import (
     Allocation,
@@ -169,9 +168,7 @@ class HorovodTaskDriver(JobDriver):
 
     def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
         super().__init__(spec, ctx)
-        self.group = WorkerGroup(spec.name, spec.command, spec.env, cwd=spec.workdir or None,
-                                 output_dir=ctx.output_dir, stdout=ctx.stdout,
-                                 log_file=ctx.log_file(spec), devices=ctx.devices)
+        self.group = ctx.worker_group(spec)
         self.values = ValueLog(log)
         self._seen: dict[str, float] = {}  # task -> when first seen, until started
         _check_hostname(ctx.node.address)

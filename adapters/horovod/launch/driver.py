@@ -46,7 +46,8 @@ from pollux_launch.launcher.drivers import (
 )
 from pollux_launch.messages import Allocation, JobSpec, NodeInfo, ValueLog
 
-from .command import horovodrun_command, require_horovod, write_horovodrun_script
+from ..available import HorovodMissing, require_horovod
+from .command import horovodrun_command, write_horovodrun_script
 from .hosts import HostsFileMirror, hosts_from_allocation, write_discovery_script
 from .warm import WarmStart
 
@@ -73,7 +74,7 @@ class HorovodDriver(JobDriver):
     def preflight(cls) -> None:
         try:
             require_horovod()
-        except RuntimeError as exc:
+        except HorovodMissing as exc:
             raise OptionsError(str(exc)) from None
 
     @classmethod
@@ -124,7 +125,7 @@ class HorovodDriver(JobDriver):
         agents (:mod:`.elastic_launch`), the user's horovodrun options kept."""
         spec, opts = self.spec, self.ctx.options
         hi = replica_limit(spec)
-        argv = [sys.executable, "-m", "pollux_launch.adapters.horovod.elastic_launch",
+        argv = [sys.executable, "-m", "pollux_launch.adapters.horovod.launch.elastic_launch",
                 "--np", str(min(max(alloc.num_replicas, spec.min_replicas), spec.max_replicas)),
                 "--min-np", str(spec.min_replicas)]
         if hi is not None:

@@ -2,7 +2,7 @@
 
 ::
 
-    python -m pollux_launch.adapters.horovod.discover --store URL --job NAME [--prefix P]
+    python -m pollux_launch.adapters.horovod.launch.discover --store URL --job NAME [--prefix P]
 
 Horovod's elastic driver runs its discovery script about once a second, so this module
 imports nothing heavy (no torch, numpy or horovod: the JSON message types and the store
@@ -24,13 +24,14 @@ import sys
 
 from pollux_launch import env as envvars
 from pollux_launch.rendezvous.store import StoreError, open_store
+from pollux_launch.rendezvous.store.environ import store_options
 
 from .hosts import format_hosts, hosts_from_allocation, read_allocation
 
 
 def discover(store_url: str, job: str, prefix: str = envvars.DEFAULT_PREFIX) -> str:
     """The discovery output for ``job`` (``host:slots`` lines, possibly empty)."""
-    store = open_store(store_url, prefix, **envvars.store_options())
+    store = open_store(store_url, prefix, **store_options())
     try:
         return format_hosts(hosts_from_allocation(read_allocation(store, job)))
     finally:
@@ -39,7 +40,7 @@ def discover(store_url: str, job: str, prefix: str = envvars.DEFAULT_PREFIX) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pollux_launch.adapters.horovod.discover",
+        prog="python -m pollux_launch.adapters.horovod.launch.discover",
         description="Print a Pollux job's allocation as Horovod host:slots lines.")
     parser.add_argument("--store", default=os.environ.get(envvars.STORE),
                         help=f"store URL (default: ${envvars.STORE})")
