@@ -56,3 +56,15 @@ def test_the_adapters_plug_their_launch_sides_in_through_entry_points():
     assert driver_classes("torch", "fixed") == [RestartDriver]
     assert framework_launch("deepspeed").check is check_ds_configs
     assert framework_launch("an-unknown-framework").live == ("replicas",)
+
+
+def test_a_stale_install_without_the_entry_points_is_one_clear_line(monkeypatch):
+    from pollux_launch.arguments import OptionsError
+    from pollux_launch.launcher import frameworks
+
+    frameworks.LAUNCH.names()  # (plug-ins loaded first, as in any run)
+    monkeypatch.setattr(frameworks, "LAUNCH", Registry("framework"))  # as if none found
+    with pytest.raises(OptionsError, match="horovod adapter's launch side is not registered"):
+        frameworks.framework_launch("horovod")
+    assert frameworks.framework_launch("torch") is frameworks.DEFAULT_LAUNCH
+

@@ -56,9 +56,21 @@ LAUNCH: Registry[FrameworkLaunch] = Registry(
 DEFAULT_LAUNCH = FrameworkLaunch()
 
 
+# the frameworks whose adapters in this package have a launch side of their own
+SHIPPED = ("horovod", "deepspeed")
+
+
 def framework_launch(framework: str) -> FrameworkLaunch:
-    """``framework``'s launch side (the default for one nobody registered)."""
-    return LAUNCH.get(framework) if framework in LAUNCH else DEFAULT_LAUNCH
+    """``framework``'s launch side (the default for one nobody registered). Raises
+    OptionsError when one this package ships is missing: the install's metadata predates
+    its entry points, and running it as plain replicas would go wrong silently."""
+    if framework in LAUNCH:
+        return LAUNCH.get(framework)
+    if framework in SHIPPED:
+        raise OptionsError(f"the {framework} adapter's launch side is not registered (no "
+                           f"entry point in group {PLUGINS!r}): this install is stale; "
+                           "reinstall pollux-launch (pip install -e . in a checkout)")
+    return DEFAULT_LAUNCH
 
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(horovod|deepspeed)\b", re.MULTILINE)
 _POLLUX = re.compile(r"^\s*(?:import|from)\s+pollux_launch\b", re.MULTILINE)
