@@ -273,15 +273,18 @@ class WorkerGroup:
         worker = Worker(index, worker_id, proc, tree, str(index) if label is None else label,
                         gpus=(gpu,) if gpu is not None else (), token=token)
         for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-            thread = threading.Thread(target=self._pump, args=(worker, name, pipe), daemon=True)
+            # each stream starts under the start label, made here: a pump thread that ran
+            # late would otherwise take the label another stream's marker already changed
+            stream = _Stream(name, worker.label, self._open_copy(worker, name))
+            thread = threading.Thread(target=self._pump, args=(worker, stream, pipe),
+                                      daemon=True)
             thread.start()
             worker.threads.append(thread)
         self.workers[worker_id] = worker
         return worker
 
     # -- output --------------------------------------------------------------------------
-    def _pump(self, worker: Worker, name: str, pipe: IO[bytes]) -> None:
-        stream = _Stream(name, worker.label, self._open_copy(worker, name))
+    def _pump(self, worker: Worker, stream: _Stream, pipe: IO[bytes]) -> None:
         lines = _Lines(self._limit(stream), worker.token.encode())
         try:
             fd = pipe.fileno()
@@ -291,7 +294,7 @@ class WorkerGroup:
             for text, newline, mark in lines.end():
                 self._line(worker, stream, lines, text, newline, mark)
         finally:
-            if name == "stdout":
+            if stream.name == "stdout":
                 worker.ended_at = time.time()
             pipe.close()
             if stream.copy is not None:

@@ -178,6 +178,29 @@ def test_lines_carry_the_rank_the_worker_announced_in_order(tmp_path):
         (tmp_path / "ranks" / "rank.0" / "stderr").read_text().splitlines()
 
 
+def test_a_late_pump_thread_keeps_its_streams_start_label(tmp_path, monkeypatch):
+    """Each stream's label is its own, from the start label until a marker on that
+    stream: the stderr pump reading only after the stdout pump switched to rank 1 still
+    labels the stderr lines printed before the marker rank 0's."""
+    pump = WorkerGroup._pump
+
+    def stderr_late(self, worker, *args):
+        stream = args[0]
+        if getattr(stream, "name", stream) == "stderr":
+            deadline = time.monotonic() + 30
+            while worker.mark_seq < 1 and time.monotonic() < deadline:  # stdout's marker
+                time.sleep(0.01)
+        return pump(self, worker, *args)
+
+    monkeypatch.setattr(WorkerGroup, "_pump", stderr_late)
+    printed = io.StringIO()
+    group = WorkerGroup("late", [sys.executable, "-c", ANNOUNCER], {}, stdout=printed)
+    group.start("w0", {}, label="0")
+    assert [c for _, c in _run(group)] == [0]
+    err = [line for line in printed.getvalue().split("\n") if "<stderr>" in line]
+    assert err == ["[0]<stderr>:before err", "[1]<stderr>:after err"]
+
+
 def test_a_process_not_started_by_an_agent_announces_nothing():
     env = {k: v for k, v in os.environ.items() if k != envvars.WORKER_TOKEN}
     code = "from pollux_launch.output_marks import announce_rank; announce_rank(3)"
