@@ -78,8 +78,7 @@ class Registry(Generic[T]):
 
     def _load_plugins(self) -> None:
         if self._plugins is not None:
-            group, self._plugins = self._plugins, None
-            load_plugins(group)
+            load_plugins(self._plugins)  # (once per process and group)
 
     def register(self, name: str, entry: T | str, *, replace: bool = False) -> None:
         """Make ``get(name)`` return ``entry``.
