@@ -43,6 +43,9 @@ same ``--params`` and ``--optimizer``).
 The LAST line printed is one JSON object, with ``"failed": {part: why}`` for a part that
 failed (``native``, ``probes``, ``calibration``, the other framework; ``pids_kept``).
 ``--smoke``: one 4 -> 2 -> 4 cycle and one SIGKILL.
+
+``--sharding fsdp`` measures a sharded model's live re-shard instead (2 -> 4 -> 2 cycles,
+FSDP2 beside DDP, Adam): benchmarks/sharded_rescale.py, whose keys it prints.
 """
 
 from __future__ import annotations
@@ -697,6 +700,12 @@ def side_by_side(native: dict, framework: str, other: dict) -> str:
 def bench(args: argparse.Namespace, report: Report) -> None:
     if args.repeats < 1 or args.failures < 0 or not args.lease_ttl > 0:
         raise UsageError("--repeats must be >= 1, --failures >= 0 and --lease-ttl > 0")
+    if args.sharding:  # a sharded model's live re-shard, beside DDP's (sharded_rescale.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import sharded_rescale
+
+        sharded_rescale.bench(args, report)
+        return
     if args.optimizer is None:
         args.optimizer = "adam" if args.params else "sgd"
     side = SIDES.get(args.framework)
@@ -755,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--params", type=parse_count, default=None, metavar="N",
                    help="model size, e.g. 1M, 10M, 100M (default: today's ~0.92M MLP)")
+    p.add_argument("--sharding", choices=["fsdp", "zero3"], default=None,
+                   help="measure a sharded model's live re-shard instead, next to DDP's "
+                        "(benchmarks/sharded_rescale.py; Adam)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default=None,
                    help="sgd (momentum) or adam (default: adam with --params, else sgd)")
     p.add_argument("--write-calibration", metavar="FILE", default=None,

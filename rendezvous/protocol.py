@@ -46,7 +46,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -205,6 +205,9 @@ class GroupInfo:
 
 _AGAIN, _WAIT, _IDLE = "again", "wait", "idle"
 
+# next_round's hand-off: (old group's members, new round's members, this worker)
+HandOff = Callable[[tuple[str, ...], tuple[str, ...], str], None]
+
 
 class Rendezvous:
     """One worker's side of a job's rendezvous (see the module docstring).
@@ -254,6 +257,7 @@ class Rendezvous:
         self._registered = threading.Event()  # a (new) lease was granted since the last look
         self._hosted: tuple[int, Any] | None = None  # (round, TCPStore) this worker hosts
         self._teardown: threading.Thread | None = None  # the old group being destroyed
+        self._hand_off: HandOff | None = None  # next_round's, until the round is known
         self._closed = False
         wait = _StoreWait(job, self.config.join_timeout)
         while True:  # a store that stalls as a newcomer starts: wait, within the join timeout
@@ -315,18 +319,26 @@ class Rendezvous:
 
     # -- rounds ----------------------------------------------------------------------------
 
-    def next_round(self) -> GroupInfo:
+    def next_round(self, hand_off: HandOff | None = None) -> GroupInfo:
         """Leave the current process group, enter the job's next round and form its group.
 
         Call it at start-up, when ``should_rescale()`` says so, or after a collective
         raised (a dead peer). Returns the new ``GroupInfo``; raises ``WorkerRemoved`` when
         this worker is not in the new round, ``RendezvousTimeout`` when the round does not
         fill in time, ``RendezvousError`` for a malformed store value or a store error.
+
+        ``hand_off(old_members, new_members, worker)``: keep the current group until the
+        new round is known and call this on it first - every member of the old group, in
+        the new round or not, calls it with the same arguments (sharded state moves to
+        the new round's survivors there, ``rendezvous.reshard``). Not called for a round
+        formed after a failure (the old group is broken) nor on a worker without a group.
         """
         if self._closed:
             raise RendezvousError(f"worker {self.worker}: the rendezvous is closed")
         started = time.monotonic()
-        self._leave_group(background=True)
+        self._hand_off = hand_off if self.group is not None and self.info is not None else None
+        if self._hand_off is None:
+            self._leave_group(background=True)
         cfg = self.config
         entered: dict[int, float] = {}
         while True:
@@ -350,6 +362,7 @@ class Rendezvous:
                       f"round {step.round} formed" if isinstance(step, RoundState) else step,
                       time.monotonic() - started)
             if isinstance(step, RoundState):
+                self._hand_off_to(step)
                 info = self._form(step)
                 if info is not None:
                     return info
@@ -430,6 +443,7 @@ class Rendezvous:
                 self._bump(ptr_kv, ptr, state, ptr.alloc_version, ptr.nodes, "membership")
                 return _AGAIN
             if self._round > 0:
+                self._hand_off_to(state)
                 self._leave_job(departed=True)
                 raise WorkerRemoved(
                     f"worker {self.worker} is not in round {r} of job {self.job!r} "
@@ -801,6 +815,17 @@ class Rendezvous:
                 and time.monotonic() - self._alloc_seen < self.config.grow_grace)
 
     # -- leaving -----------------------------------------------------------------------------
+
+    def _hand_off_to(self, state: RoundState) -> None:
+        """``next_round``'s ``hand_off`` on the old group, once, then leave that group. A
+        failure round skips it: a member of the old group is gone, the group broken."""
+        fn, self._hand_off = self._hand_off, None
+        if fn is None:
+            return
+        if state.reason != "failure":
+            assert self.info is not None
+            fn(self.info.members, state.members, self.worker)
+        self._leave_group(background=True)
 
     def _leave_group(self, background: bool = False) -> None:
         """Destroy the process group; with ``background`` in a thread (tens of ms with

@@ -295,6 +295,12 @@ def _check_conflicts(ds: Mapping[str, Any], cfg: PolluxConfig) -> None:
         raise PolluxConfigError(
             "DeepSpeed's elasticity section and the pollux section are both enabled; both "
             "choose the batch size - set elasticity.enabled to false")
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, Mapping) and zero.get("stage") == 3:
+        raise PolluxConfigError(
+            "zero_optimization.stage 3 with the pollux section: ZeRO-3 does not re-shard "
+            "live yet - use stage 1 or 2 for a live job, or remove the pollux section to run "
+            "ZeRO-3 fixed or restart-elastic (pollux-run --elasticity restart)")
     bsz = ds.get("train_batch_size")
     if bsz is not None and bsz != cfg.initial_batch_size:
         raise PolluxConfigError(

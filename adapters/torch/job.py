@@ -79,10 +79,11 @@ class ElasticJob:
     def store(self):
         return self.rdzv.store if self.rdzv else None
 
-    def next_round(self) -> GroupInfo:
-        """Enter the job's next round (raises ``WorkerRemoved`` when not in it)."""
+    def next_round(self, hand_off: Any = None) -> GroupInfo:
+        """Enter the job's next round (raises ``WorkerRemoved`` when not in it);
+        ``hand_off``: as for ``Rendezvous.next_round``."""
         assert self.rdzv is not None
-        self.info = self.rdzv.next_round()
+        self.info = self.rdzv.next_round(hand_off)
         self.rounds += 1
         self.placement = self._placement(self.info)
         _export_env(self.placement, self.info)
@@ -97,6 +98,22 @@ class ElasticJob:
     def membership(self) -> JobMembership | None:
         """This job as the elastic controller's ``Membership``; None for a static job."""
         return JobMembership(self) if self.elastic else None
+
+    @property
+    def worker(self) -> str | None:
+        """This worker's id in the job's rounds (None for a static job)."""
+        return self.rdzv.worker if self.rdzv else None
+
+    def device_mesh(self, device_type: str | None = None) -> Any:
+        """A 1-D ``DeviceMesh`` over this round's group, for ``fully_shard(mesh=...)``
+        (cuda where the group is nccl, else cpu); a live rescale re-points a model
+        sharded on it at the new round's mesh."""
+        from .fsdp import device_mesh
+
+        if not dist.is_initialized():
+            raise RuntimeError("device_mesh(): no process group (call pollux.init() first; "
+                               "a single process needs no mesh)")
+        return device_mesh(device_type)
 
     def credit_resumed(self, progress: float) -> None:
         """The job resumed from a checkpoint with this progress (``JobRestarts``)."""
@@ -140,10 +157,11 @@ class JobMembership:
     def rescale_due(self) -> bool:
         return self.job.rescale_due()
 
-    def next_round(self) -> GroupInfo:
+    def next_round(self, hand_off: Any = None) -> GroupInfo:
         """The job's next round; raises ``MemberRemoved`` when this worker is not in it."""
         try:
-            return self.job.next_round()
+            return (self.job.next_round(hand_off) if hand_off is not None
+                    else self.job.next_round())
         except WorkerRemoved as exc:
             raise MemberRemoved(str(exc)) from exc
 

@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pollux_launch.elastic.adaptation import AdaptationPolicy
 from pollux_launch.elastic.controller import checkpoint_writer
 from pollux_launch.elastic.factory import JobDescription, build_controller
+from pollux_launch.elastic.failures import first_line
 from pollux_launch.rendezvous.process_group import (
     broadcast_state,
     release_at_exit,
@@ -64,6 +65,7 @@ from pollux_launch.tuning.hooks import attach_measurement
 from pollux_launch.tuning.tuner import default_lr_rule
 
 from .data import AdaptiveDataLoader
+from .fsdp import FSDPResharder, ShardingError, is_sharded, shard_model
 from .job import ElasticJob, JobCollectives, init
 
 log = logging.getLogger(__name__)
@@ -88,8 +90,11 @@ class ElasticTrainer:
         checkpoint_dir: str | None = None,
         checkpoint_interval: float | None = None,
         policies: Sequence[AdaptationPolicy] | None = None,
+        sharding: str | None = None,
     ) -> None:
         self.job = job or init()
+        model = _sharded(model, optimizer, sharding, self.job)
+        self._resharder = FSDPResharder(model, optimizer) if is_sharded(model) else None
         self.module, self.optimizer, self.loader = model, optimizer, loader
         self.lr_scheduler, self.grad_scaler = lr_scheduler, grad_scaler
         self.max_grad_norm = max_grad_norm
@@ -105,11 +110,18 @@ class ElasticTrainer:
             report_interval=report_interval, min_gain=min_gain, decide_every=decide_every,
             dataset_size=len(loader.dataset), policies=policies, identity=self.job)
         p = self.job.placement
+        # a sharded model's parameters are not in the autograd graph (FSDP computes with
+        # unsharded copies): no per-parameter hooks fire; its steps are timed here
         self.hooks = attach_measurement(model, optimizer, description.init_batch_size,
                                         grad_scaler=grad_scaler, num_nodes=p.num_nodes,
-                                        num_replicas=p.world_size, local_bsz=loader.local_bsz)
+                                        num_replicas=p.world_size, local_bsz=loader.local_bsz,
+                                        sharded=self.sharded,
+                                        preconditioner="identity" if self.sharded else "auto")
+        if self._resharder is not None:
+            self._resharder.measure_local_grads(self.hooks.monitor)
+        hooks = _TorchHooks(self) if self._resharder is None else _ShardedHooks(self)
         self.controller = build_controller(
-            description, _TorchHooks(self), JobCollectives(self.job), self.hooks.profile,
+            description, hooks, JobCollectives(self.job), self.hooks.profile,
             membership=self.job.membership(), loader=loader,
             checkpoints=checkpoint_writer(checkpoint_dir, checkpoint_interval))
         self.tuner = self.controller.tuner
@@ -122,9 +134,14 @@ class ElasticTrainer:
 
     # -- what the user touches ---------------------------------------------------------
     @property
+    def sharded(self) -> bool:
+        """The model is sharded (FSDP2): re-sharded in place when the group changes."""
+        return self._resharder is not None
+
+    @property
     def model(self) -> torch.nn.Module:
-        """The module to call in the training loop (DDP-wrapped when distributed).
-        Re-read it every step: a rescale replaces the wrapper."""
+        """The module to call in the training loop (DDP-wrapped when distributed and not
+        sharded). Re-read it every step: a rescale replaces the wrapper."""
         return self._ddp if self._ddp is not None else self.module
 
     @property
@@ -193,6 +210,8 @@ class ElasticTrainer:
             if not self.controller.recover(exc):
                 raise
             return False
+        if self._resharder is not None:
+            self.hooks.micro_step_done(sync)
         if not sync:
             return False
         self._optimizer_step()
@@ -278,10 +297,13 @@ class ElasticTrainer:
 
     # -- state -------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        """The training state outside the controller's own (which travels beside it)."""
+        """The training state outside the controller's own (which travels beside it); a
+        sharded model's: no model, the optimizer's without its sharded tensors."""
+        rs = self._resharder
         state: dict[str, Any] = {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.module.state_dict() if rs is None else {},
+            "optimizer": (self.optimizer.state_dict() if rs is None
+                          else rs.light_optimizer_state()),
             "monitor": self.hooks.monitor.state_dict(),
             "extra": {k: v.state_dict() for k, v in self._extra.items()},
         }
@@ -293,7 +315,7 @@ class ElasticTrainer:
 
     def _restore(self, state: dict[str, Any]) -> None:
         """Load ``state`` (a survivor's share of a grow has no model or optimizer)."""
-        if "model" in state:
+        if state.get("model"):
             self.module.load_state_dict(state["model"])
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -387,6 +409,82 @@ class _TorchHooks:
     def restore_checkpoint(self, state: dict[str, Any]) -> tuple[None, dict[str, Any]]:
         self.t._restore(state["fw"])
         return None, state["ctl"]
+
+
+class _ShardedHooks(_TorchHooks):
+    """``_TorchHooks`` for an FSDP2 model: no DDP wrapper; on a change of group its
+    shards are re-sharded in place (``fsdp.FSDPResharder``) - survivors receive what
+    they lack on the old group (``hand_off``), newcomers theirs on the new one, and only
+    the small rest of the state (optimizer step counts and hyper-parameters, scheduler,
+    monitor, the controller's) goes from rank 0 to the newcomers."""
+
+    def __init__(self, trainer: ElasticTrainer) -> None:
+        super().__init__(trainer)
+        self._handed: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self._lost = False
+
+    def hand_off(self, old: tuple[str, ...], new: tuple[str, ...], me: str) -> None:
+        rs = self.t._resharder
+        assert rs is not None
+        try:
+            rs.hand_off(old, new, me)
+        except RuntimeError as exc:  # a peer died mid-way: the new group finds out
+            log.warning("re-sharding on the old group failed (%s)", first_line(exc))
+            self._lost = True
+        self._handed = (old, new)
+
+    def rebuild(self, captured: Any, controller_state: dict[str, Any], from_rank0: bool
+                ) -> dict[str, Any] | None:
+        t, p = self.t, self.t.job.placement
+        info = t.job.info
+        rs = t._resharder
+        assert rs is not None
+        handed, self._handed = self._handed, None
+        if info is None or not t.job.elastic or info.fresh:
+            return None  # the job's start (or a restart): the model as the script built it
+        lost = vote_any(self._lost or (handed is None and t.job.worker not in
+                                       info.newcomers), t.job.rdzv.group)
+        self._lost = False
+        if lost:
+            raise ShardingError(
+                "a worker of this sharded job failed: its shard of the model is lost and "
+                "cannot be rebuilt from its peers; restart the job (durable sharded "
+                "checkpoints are not supported yet)")
+        newcomer = t.job.worker in info.newcomers
+        mine = None
+        if p.rank == 0:
+            mine = {"fw": t._state(), "ctl": controller_state, "old": list(handed[0]),
+                    "layout": rs.state_layout()}
+        got = broadcast_state(mine) if info.newcomers else mine
+        old = tuple(got["old"]) if newcomer else handed[0]
+        if newcomer:
+            t._restore(got["fw"])
+        rs.finish(old, tuple(info.members), t.job.worker, t.job.device_mesh(),
+                  got["layout"] if newcomer else None)
+        return got["ctl"] if newcomer else None
+
+    def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
+                         ) -> dict[str, Any] | None:
+        return None  # (sharded durable checkpoints: not yet)
+
+
+def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             sharding: str | None, job: ElasticJob) -> torch.nn.Module:
+    """The model to train: ``sharding="fsdp"`` shards it here (``fsdp.shard_model``);
+    a model wrapped already (DDP, or sharded and asked to shard) is one clear error."""
+    if sharding not in (None, "fsdp"):
+        raise ShardingError(f"sharding must be None (DDP) or 'fsdp', got {sharding!r}")
+    if isinstance(model, DistributedDataParallel):
+        raise ShardingError("the model is wrapped in DistributedDataParallel already: pass "
+                            "the module itself (ElasticTrainer wraps it, or shards it with "
+                            "sharding='fsdp')")
+    if sharding == "fsdp":
+        if is_sharded(model):
+            raise ShardingError("the model is sharded with fully_shard already: drop "
+                                "sharding='fsdp' (or pass the unsharded model)")
+        if torch.distributed.is_initialized():
+            model = shard_model(model, optimizer, job.device_mesh())
+    return model
 
 
 def _steps_on_cpu(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -494,10 +494,12 @@ def load_policy(spec: str) -> AdaptationPolicy:
     except ModuleNotFoundError as exc:
         if exc.name is None or not module.startswith(exc.name):
             raise PolicyError(f"policy {spec}: importing {module} failed: {exc}") from None
-        if "" in sys.path or "." in sys.path:
-            raise PolicyError(f"policy {spec}: no module {module!r} here; check the name and "
-                              "the working directory") from None
-        sys.path.append(".")  # the job's working directory, where pollux-run was started
+        # the import system caches directory listings, and a directory modified within
+        # one tick of the clock keeps its mtime: a module written since the last listing
+        # stays unseen until the caches go (a flaky "no module" otherwise)
+        importlib.invalidate_caches()
+        if "" not in sys.path and "." not in sys.path:
+            sys.path.append(".")  # the job's working directory, where pollux-run was started
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError:

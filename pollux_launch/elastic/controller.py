@@ -336,7 +336,7 @@ class ElasticController:
         captured = self.hooks.capture(self.state_dict())
         timing: dict[str, Any] = {"t0": t0, "from": before, "reason": "allocation",
                                   "captured_s": time.perf_counter() - t0}
-        info = self._next_round()
+        info = self._next_round(hand_off=getattr(self.hooks, "hand_off", None))
         timing["formed_s"] = time.perf_counter() - t0
         self._rebuild(captured, from_rank0=False)
         timing["rebuilt_s"] = time.perf_counter() - t0
@@ -370,10 +370,11 @@ class ElasticController:
                       "pause_s": time.perf_counter() - t0, "done_at": time.time()})
         return True
 
-    def _next_round(self) -> Any:
+    def _next_round(self, hand_off: Any = None) -> Any:
         assert self.membership is not None
         try:
-            return self.membership.next_round()
+            return (self.membership.next_round(hand_off) if hand_off is not None
+                    else self.membership.next_round())
         except MemberRemoved:
             log.info("not in the new round: leaving the job")
             self.ctx.previous_world_size, self.ctx.detached = self.group.world_size, True

@@ -75,8 +75,10 @@ class Membership(Protocol):
         """Collective: True on every rank when any rank saw a reason to re-form."""
         ...
 
-    def next_round(self) -> Any:
-        """Enter the next round (raises :class:`MemberRemoved` when not in it)."""
+    def next_round(self, hand_off: Any = None) -> Any:
+        """Enter the next round (raises :class:`MemberRemoved` when not in it).
+        ``hand_off(old_members, new_members, worker)`` runs first on the old group, on
+        every member of it, once the new round is known (not after a failure)."""
         ...
 
     def credit_resumed(self, progress: float) -> None: ...
@@ -119,6 +121,11 @@ class FrameworkHooks(Protocol):
     def leave(self) -> None:
         """This worker leaves the job: remove hooks (the group is gone already)."""
         ...
+
+    # Optional - adapters of sharded state define it (the controller looks it up):
+    # hand_off(old_members, new_members, worker) on the old group once the new round is
+    # known, every member of the old group (``Membership.next_round``); a leaver's part
+    # of a rescale ends there.
 
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
                          ) -> dict[str, Any] | None:

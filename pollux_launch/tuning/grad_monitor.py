@@ -50,6 +50,11 @@ DEFAULT_MAX_INTERVAL = 32
 _FIRST_ADAPT = 8  # measured steps before the interval is first adapted (then every flush)
 
 
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local shard (FSDP2's sharded gradients); any other tensor itself."""
+    return t._local_tensor if t is not None and hasattr(t, "_local_tensor") else t
+
+
 def _sqr(t: torch.Tensor) -> torch.Tensor:
     """``|t|^2`` as a 0-d tensor; a BLAS dot on CPU, a float32-accumulated norm otherwise."""
     if t.dtype in _DOT_DTYPES and t.device.type == "cpu":
@@ -91,6 +96,7 @@ class GradientNoiseMonitor:
         refresh_every: int = 10,
         flush_every: int = 32,
         clock: Callable[[], float] = time.perf_counter,
+        sharded: bool = False,
     ) -> None:
         if refresh_every < 1 or flush_every < 1 or max_interval < 1:
             raise ValueError("refresh_every, flush_every and max_interval must be >= 1")
@@ -107,6 +113,9 @@ class GradientNoiseMonitor:
             else preconditioner
         )
         self.estimator = GNSEstimator(init_batch_size, smoothing)
+        # sharded (FSDP2): each replica holds a shard of the averaged gradient, whose
+        # squared norm is then the sum over replicas (one more scalar all-reduce)
+        self.sharded = sharded
         self.grad_scaler = grad_scaler
         self.overhead_budget = overhead_budget
         self.max_interval = max_interval
@@ -240,7 +249,7 @@ class GradientNoiseMonitor:
         try:
             if self.measuring:
                 if grads is None:
-                    grads = [p.grad for p in self.params]
+                    grads = [_local(p.grad) for p in self.params]
                 idx = [i for i, g in enumerate(grads) if g is not None]
                 present = [grads[i] for i in idx]  # type: ignore[misc]
                 if present:
@@ -309,6 +318,8 @@ class GradientNoiseMonitor:
         if self._inv is not None:
             grads = torch._foreach_mul(grads, [self._inv[i] for i in idx])
         total = _sqr_sum(grads)
+        if self.sharded and self.num_replicas > 1:
+            dist.all_reduce(total, group=self.process_group)
         local = self._local[0].to(total.device)
         if self.loss_averaged_over_accum:
             local = local * (n * n)  # the hooks saw g_i / n

@@ -104,6 +104,20 @@ class MeasurementHooks:
             h.remove()
         self._handles.clear()
 
+    def micro_step_done(self, sync: bool) -> None:
+        """A backward pass ended, for a model whose parameters no hook sees (FSDP2
+        computes with unsharded copies; its gradients are reduced inside backward):
+        what the two callbacks do, with ``sync`` on a step's last micro-batch. The
+        exposed communication time is not told apart from the step's."""
+        if self.monitor is not None:
+            self.monitor.end_micro_step()
+        if not sync:
+            return
+        if self.monitor is not None:
+            self.monitor.reduce_local_async()
+        self._t_local_done = self._clock()
+        self._after_sync()
+
     # Autograd-engine callbacks; they must not raise into the engine on user error paths.
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.monitor is not None:
@@ -147,6 +161,7 @@ def attach_measurement(
     preconditioner: str = "auto",
     overhead_budget: float | None = DEFAULT_OVERHEAD_BUDGET,
     gns: bool = True,
+    sharded: bool = False,
     timing: bool = True,
     warmup_steps: int = 3,
     clock: Callable[[], float] = time.perf_counter,
@@ -155,7 +170,10 @@ def attach_measurement(
     plain module); returns the handle with ``.monitor``, ``.profile`` and ``.remove()``.
 
     ``overhead_budget``: the fraction of step time the noise-scale measurement may cost
-    (it then measures only every few steps); None measures every step.
+    (it then measures only every few steps); None measures every step. ``sharded``: an
+    FSDP2 model, whose adapter feeds the local gradients (``add_local``, from its
+    reduce-scatter) and calls :meth:`MeasurementHooks.step_done` after each synchronising
+    backward (its parameters are not in the autograd graph: no hook fires).
     """
     monitor = (
         GradientNoiseMonitor(
@@ -164,6 +182,7 @@ def attach_measurement(
             preconditioner=preconditioner,
             grad_scaler=grad_scaler,
             overhead_budget=overhead_budget,
+            sharded=sharded,
         )
         if gns
         else None

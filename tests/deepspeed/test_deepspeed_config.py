@@ -85,6 +85,7 @@ def test_initial_batch_size_required_when_enabled():
      "elasticity section and the pollux section are both enabled"),
     ({"train_batch_size": 32}, "train_batch_size=32 conflicts with pollux.initial_batch_size=64"),
     ({"train_micro_batch_size_per_gpu": 128}, r"outside pollux.micro_batch_size_range \[4, 64\]"),
+    ({"zero_optimization": {"stage": 3}}, "ZeRO-3 does not re-shard live yet"),
 ])
 def test_conflicts_with_the_ds_config(extra, match):
     with pytest.raises(PolluxConfigError, match=match):

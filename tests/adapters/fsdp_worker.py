@@ -1,0 +1,96 @@
+"""Worker for test_fsdp_live: an FSDP2 model (sharded by the script on the job's mesh, or
+by the trainer with SHARDING=fsdp) trained with Adam under pollux-run, rescaled live by
+the test. Appends JSON lines to $LOG_DIR/<worker>.jsonl: every optimiser step (samples,
+round, size, and a digest of the whole model and Adam state, gathered), each new group's
+digest right after it formed, and the end."""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
+
+import pollux_launch.adapters.torch as pollux
+from pollux_launch.elastic.adaptation import AdaptationPolicy, GoodputPolicy
+
+N = int(os.environ.get("N", 480))
+STOP = os.path.join(os.environ["LOG_DIR"], "stop")
+log = open(os.path.join(os.environ["LOG_DIR"], os.environ["POLLUX_WORKER_ID"] + ".jsonl"), "a")
+
+
+def write(**record):
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+
+
+def digest(model, optimizer) -> str:
+    """A hash of the whole model and optimizer state (a collective: every rank gathers)."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode() + p.full_tensor().detach().numpy().tobytes())
+        for k, v in sorted(optimizer.state.get(p, {}).items()):
+            v = v.full_tensor() if isinstance(v, DTensor) else v
+            h.update(k.encode() + v.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Digest(AdaptationPolicy):
+    def after_step(self, ctx):
+        p = job.placement
+        write(kind="state", when="step", step=ctx.step, round=p.round, rank=p.rank,
+              digest=digest(model, optimizer))
+
+    def on_rescale(self, ctx):
+        if ctx.detached or ctx.previous_world_size == 0:
+            return
+        p = job.placement
+        write(kind="state", when="rescale", step=ctx.step, round=p.round, rank=p.rank,
+              digest=digest(model, optimizer))
+
+
+torch.manual_seed(0)  # the same data everywhere; each rank's shard of the same init
+x = torch.randn(N, 16)
+y = (x.sum(dim=1) > 0).long()
+data = TensorDataset(x, y, torch.arange(N))
+job = pollux.init()
+model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 2))
+sharding = os.environ.get("SHARDING") or None
+if sharding is None:  # as FSDP's docs show, on the job's mesh
+    mesh = job.device_mesh()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+loader = pollux.AdaptiveDataLoader(data, batch_size=12, local_bsz_bounds=(2, 12))
+trainer = pollux.ElasticTrainer(model, optimizer, loader, report_interval=1.0,
+                                sharding=sharding, policies=[GoodputPolicy(), Digest()])
+model = trainer.module
+assert trainer.sharded
+write(kind="start", pid=os.getpid(), round=job.placement.round)
+pending = []
+for _ in trainer.epochs(10_000):
+    for xb, yb, idx in loader:
+        epoch = loader.epoch
+        pending.extend(idx.tolist())
+        if trainer.step(F.cross_entropy(trainer.model(xb), yb)):
+            p = job.placement
+            write(kind="step", epoch=epoch, round=p.round, world=p.world_size, rank=p.rank,
+                  pid=os.getpid(), indices=pending, step=trainer.steps)
+            pending = []
+        time.sleep(0.01)
+    stop = torch.tensor([int(os.path.exists(STOP))])
+    if job.placement.world_size > 1:
+        torch.distributed.broadcast(stop, 0)
+    if stop.item():
+        break
+grad = trainer.controller.grad  # the gradient noise scale, measured on shards
+write(kind="end", pid=os.getpid(), digest=digest(model, optimizer), round=job.placement.round,
+      noise=None if grad is None else [float(grad.sqr), float(grad.var)])
+sys.exit(0)

@@ -1,0 +1,83 @@
+"""An FSDP2 job re-sharded live 2 -> 3 -> 1 -> 2 under a real node agent (embedded store,
+gloo): after every change the whole model and Adam state equal, bit for bit, what they
+were before it; each epoch saw every sample exactly once; survivors kept their
+processes; leavers exited 0."""
+
+import os
+import signal
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+from agent_job import agent_job  # tests/adapters/agent_job.py
+from waiting import wait_for  # tests/waiting.py
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+N = 480
+
+
+@pytest.mark.parametrize("sharding", ["", "fsdp"], ids=["script-sharded", "trainer-sharded"])
+def test_fsdp_job_reshards_live_2_3_1_2(tmp_path: Path, sharding: str) -> None:
+    sizes = [2, 3, 1, 2]
+    with agent_job(tmp_path, "sh", WORKER, {"N": str(N), "SHARDING": sharding}) as job:
+        def steps_in(version: int) -> int:
+            return sum(1 for rs in job.records().values() for r in rs
+                       if r["kind"] == "step" and r["rank"] == 0 and r["round"] >= version)
+
+        for replicas in sizes:
+            version = job.allocate(replicas)
+            wait_for(lambda v=version: steps_in(v) >= 6, 180,
+                     f"6 steps on {replicas} replicas")
+        (job.log_dir / "stop").touch()
+        status = job.finished()
+        assert status.state == "succeeded", status
+        logs, exits = job.records(), job.agent.exits
+
+    steps = [r for rs in logs.values() for r in rs if r["kind"] == "step"]
+    assert [w for w in sorted({(r["round"], r["world"]) for r in steps})] == list(
+        enumerate(sizes, start=1)), "the job ran at every size, in order"
+    seen: dict[int, Counter] = defaultdict(Counter)
+    for r in steps:
+        seen[r["epoch"]].update(r["indices"])
+    for epoch, counts in seen.items():
+        assert set(counts) == set(range(N)) or epoch == max(seen), f"epoch {epoch} missed"
+        assert max(counts.values()) == 1, f"epoch {epoch} saw a sample twice"
+    states = [r for rs in logs.values() for r in rs if r["kind"] == "state"]
+    for rnd in range(2, len(sizes) + 1):
+        after = {r["digest"] for r in states if r["when"] == "rescale" and r["round"] == rnd}
+        assert len(after) == 1, f"round {rnd}: the ranks disagree after the change"
+        last = max(r["step"] for r in states if r["when"] == "step" and r["round"] == rnd - 1)
+        before = {r["digest"] for r in states
+                  if r["when"] == "step" and r["round"] == rnd - 1 and r["step"] == last}
+        first = next(r for r in states if r["when"] == "rescale" and r["round"] == rnd)
+        assert first["step"] == last
+        assert after == before, f"round {rnd}: the state changed in the re-shard"
+    ends = [r for rs in logs.values() for r in rs if r["kind"] == "end"]
+    assert len(ends) == sizes[-1] and len({e["digest"] for e in ends}) == 1
+    # the noise scale was measured from the shards: a gradient and a variance, alike
+    assert all(e["noise"] and e["noise"][0] > 0 and e["noise"][1] > 0 for e in ends), ends
+    assert len({tuple(e["noise"]) for e in ends}) == 1
+    for worker, rs in logs.items():
+        assert len({r["pid"] for r in rs if "pid" in r}) == 1, worker
+    assert all(code == 0 for _, _, code in exits), exits
+
+
+
+def test_a_sigkilled_rank_of_a_sharded_job_fails_it_saying_why(tmp_path: Path, capfd) -> None:
+    """Its shard cannot be rebuilt from the peers (no replica, no durable sharded
+    checkpoint yet): the survivors say so in one line and the job fails - no hang, no
+    survivor training on with a hole in its model."""
+    with agent_job(tmp_path, "sk", WORKER, {"N": str(N), "SHARDING": ""}) as job:
+        job.allocate(3)
+
+        def victim() -> int | None:
+            for rs in job.records().values():
+                ranks = {r["rank"] for r in rs if r["kind"] == "step"}
+                if 2 in ranks and sum(r["kind"] == "step" for r in rs) >= 4:
+                    return next(r["pid"] for r in rs if r["kind"] == "start")
+            return None
+
+        os.kill(wait_for(victim, 180, "4 steps of rank 2"), signal.SIGKILL)
+        status = job.finished(180)
+        assert status.state == "failed", status
+    assert "its shard of the model is lost" in capfd.readouterr().out
