@@ -10,7 +10,9 @@ gloo; the driver plays the coordinator: 2 replicas, then ``--repeats`` cycles of
 (``sharding="fsdp"``: re-sharded in place) and in DDP (state shared with newcomers).
 
 * ``up_pause_s`` / ``down_pause_s``: median survivors' pause (the controller's: from the
-  step boundary that votes to re-form to the new group's first decision), FSDP;
+  step boundary that votes to re-form to the new group's first decision), FSDP; where
+  it goes: ``*_formed_s`` (to the new group formed: the old group's hand-off
+  included), ``*_rebuilt_s`` (and the newcomers' shards moved and installed);
   ``ddp_up_pause_s`` / ``ddp_down_pause_s``: the same for DDP;
 * ``bytes_moved``: the most bytes one rank received in a grow (p2p, both phases);
 * ``p2p_gbps``: gloo send/recv between two processes of this machine, of that size,
@@ -101,12 +103,15 @@ def cycle(sharding: str, params: int, repeats: int, timeout: float = 600) -> dic
         return {"records": _records(log_dir), "exits": list(agent.exits)}
 
 
-def _pauses(records: list[dict], frm: int, to: int) -> list[float]:
-    # one per rescale: rank 0's record (every survivor pauses alike)
+def _pauses(records: list[dict], frm: int, to: int, key: str = "pause_s") -> list[float]:
+    """One figure per rescale from ``frm`` to ``to`` replicas: the slowest survivor's
+    ``key`` (the controller's timing: ``formed_s`` - the vote to the new group formed,
+    the hand-off included; ``rebuilt_s`` - and the state moved; ``pause_s`` - and the
+    first decision)."""
     seen: dict[int, float] = {}
     for r in records:
         if r["kind"] == "pause" and r.get("from") == frm and r.get("to") == to:
-            seen[r["round"]] = max(seen.get(r["round"], 0.0), r["pause_s"])
+            seen[r["round"]] = max(seen.get(r["round"], 0.0), r.get(key) or 0.0)
     return list(seen.values())
 
 
@@ -182,6 +187,10 @@ def measure(sharding: str, params: int | None, repeats: int) -> dict[str, Any]:
         "up_pause_s": up, "down_pause_s": down,
         "pause_vs_limit": (round(up / (moved / (gbps * 1e9)), 3) if up and moved else None),
         "peak_extra_mem_ratio": round(max(extra), 3) if extra else None,
+        "up_formed_s": _median(_pauses(rec, 2, 4, "formed_s")),
+        "up_rebuilt_s": _median(_pauses(rec, 2, 4, "rebuilt_s")),
+        "down_formed_s": _median(_pauses(rec, 4, 2, "formed_s")),
+        "down_rebuilt_s": _median(_pauses(rec, 4, 2, "rebuilt_s")),
         "ddp_up_pause_s": _median(_pauses(ddp["records"], 2, 4)),
         "ddp_down_pause_s": _median(_pauses(ddp["records"], 4, 2)),
         "exits_ok": all(c == 0 for _, _, c in fsdp["exits"] + ddp["exits"]),

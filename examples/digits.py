@@ -4,6 +4,10 @@ Run it under the launcher (it adapts replicas, batch size and LR live)::
 
     pollux-run -np 1 --max-np 2 python examples/digits.py
 
+sharded with FSDP2 (re-sharded in place when the job rescales)::
+
+    pollux-run -np 2 --max-np 3 python examples/digits.py --sharding fsdp
+
 or alone (one process, still batch-size adaptive)::
 
     python examples/digits.py --epochs 5
@@ -62,6 +66,8 @@ def main() -> None:
                         help="hidden width (1024: ~1.1M parameters, slow enough to watch)")
     parser.add_argument("--target", type=float, default=None,
                         help="stop once validation accuracy reaches this")
+    parser.add_argument("--sharding", choices=["fsdp"], default=None,
+                        help="shard the model with FSDP2 (under pollux-run: re-sharded live)")
     parser.add_argument("--report-interval", type=float, default=5.0)
     parser.add_argument("--step-delay", type=float, default=0.0,
                         help="extra seconds per step (makes a tiny job long enough to watch)")
@@ -77,7 +83,7 @@ def main() -> None:
     loader = pollux.AdaptiveDataLoader(train_set, batch_size=args.batch_size,
                                        max_batch_size=args.max_batch_size,
                                        local_bsz_bounds=(8, 128))
-    trainer = pollux.ElasticTrainer(model, optimizer, loader,
+    trainer = pollux.ElasticTrainer(model, optimizer, loader, sharding=args.sharding,
                                     report_interval=args.report_interval)
     acc = 0.0
     for epoch in trainer.epochs(args.epochs):

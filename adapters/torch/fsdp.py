@@ -18,6 +18,7 @@ its parameter (Adam's moments) is re-sharded beside it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,17 +117,20 @@ class FSDPResharder:
         self._pending: dict[str, Holding] | None = None
         self.bytes_moved = 0
 
-    def measure_local_grads(self, monitor: Any) -> None:
-        """Give ``monitor`` (a ``GradientNoiseMonitor``) each micro-batch's local
-        gradient: FSDP reduce-scatters it, so a reduce-scatter that first takes its
-        squared norm sees exactly what DDP's hooks see (fp32/bf16: FSDP does not
-        pre-divide it)."""
-        if monitor is None:
-            return
-        comm = _measured_reduce_scatter(monitor)
+    def instrument(self, monitor: Any) -> CommClock:
+        """FSDP's collectives, measured: ``monitor`` (a ``GradientNoiseMonitor``, or
+        None) gets each micro-batch's local gradient - FSDP reduce-scatters it, so a
+        reduce-scatter that first takes its squared norm sees exactly what DDP's hooks
+        see (fp32/bf16: FSDP does not pre-divide it) - and the returned clock the time
+        spent in all-gathers and reduce-scatters (their whole time where they are
+        synchronous, as on CPU; a GPU's asynchronous ones count their launch only)."""
+        clock = CommClock()
+        gather, scatter = _measured_comms(monitor, clock)
         for m in self.model.modules():
             if _param_group(m) is not None:
-                m.set_custom_reduce_scatter(comm)
+                m.set_custom_all_gather(gather)
+                m.set_custom_reduce_scatter(scatter)
+        return clock
 
     # -- what moves ------------------------------------------------------------------
     def _state_keys(self, param: nn.Parameter) -> list[str]:
@@ -169,10 +173,14 @@ class FSDPResharder:
 
     @staticmethod
     def _new_local(e: _Entry, like: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-        """A new shard: FSDP's padded storage for a parameter, the exact rows for a state."""
+        """A new shard: FSDP's padded storage for a parameter (its padding zeroed), the
+        exact rows for a state. Uninitialised otherwise: every row is received or
+        copied (a zero fill would cost a pass over the shard)."""
         lo, hi = shard_rows(e.rows, world, rank)
         rows = -(-e.rows // world) if e.state is None else hi - lo
-        return torch.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        out = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        out[hi - lo:].zero_()
+        return out
 
     # -- phase 1: on the old group -----------------------------------------------------
     def hand_off(self, old: Sequence[str], new: Sequence[str], me: str) -> None:
@@ -220,14 +228,30 @@ class FSDPResharder:
         self._pending = None
         self._install(entries, holdings, mesh)
 
-    def _install(self, entries: list[_Entry], holdings: dict[str, Holding], mesh: Any) -> None:
-        fs = _fsdp()
-        info = fs._fsdp_param_group.FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    def _repoint(self, mesh: Any) -> Any:
+        """Every FSDP group at ``mesh``; returns its mesh info."""
+        info = _fsdp()._fsdp_param_group.FSDPMeshInfo(mesh, shard_mesh_dim=0)
         for g in self.groups:
             post = info if g.post_forward_mesh_info is not None else None
             g.mesh_info, g.post_forward_mesh_info = info, post
             g._all_gather_output = torch.empty(0, device=g.device)
             g._all_gather_result = None
+        return info
+
+    def reset_iteration(self) -> None:
+        """After a forward or backward that a failed collective cut short: FSDP's state
+        of the iteration discarded and every parameter resharded (its own recovery,
+        ``FSDPModule.reset_iter_state``; torch >= 2.13), so that the model can be
+        re-pointed or trained again."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if (isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root
+                    and hasattr(m, "reset_iter_state")):
+                m.reset_iter_state()
+
+    def _install(self, entries: list[_Entry], holdings: dict[str, Holding], mesh: Any) -> None:
+        info = self._repoint(mesh)
         by_param: dict[int, dict[str, torch.Tensor]] = {}
         for e in entries:
             by_param.setdefault(id(e.fp), {})[e.state or ""] = holdings[e.key].new
@@ -242,18 +266,47 @@ class FSDPResharder:
                         state[k] = fp.to_sharded_dtensor(local)
 
 
-def _measured_reduce_scatter(monitor: Any) -> Any:
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+class CommClock:
+    """Seconds spent in FSDP's collectives since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _measured_comms(monitor: Any, clock: CommClock) -> tuple[Any, Any]:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    class MeasuredAllGather(DefaultAllGather):
+        """FSDP's all-gather, timed."""
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            t0 = time.perf_counter()
+            try:
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+            finally:
+                clock.seconds += time.perf_counter() - t0
 
     class MeasuredReduceScatter(DefaultReduceScatter):
-        """FSDP's reduce-scatter, after the local gradient's squared norm (issued
+        """FSDP's reduce-scatter, timed, after the local gradient's squared norm (issued
         without a host sync; the monitor measures only on its scheduled steps)."""
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            monitor.add_local([input_tensor])
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            if monitor is not None:
+                monitor.add_local([input_tensor])
+            t0 = time.perf_counter()
+            try:
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            finally:
+                clock.seconds += time.perf_counter() - t0
 
-    return MeasuredReduceScatter()
+    return MeasuredAllGather(), MeasuredReduceScatter()
 
 
 def _param_group(module: nn.Module) -> Any:
@@ -290,3 +343,36 @@ def _reinit(fp: Any, info: Any, post: Any, padded: torch.Tensor) -> None:
     if hasattr(fp, "_unsharded_param"):
         del fp._unsharded_param  # its size was the old world's all-gather output
 
+
+
+# -- durable checkpoints of sharded state (torch.distributed.checkpoint) ------------------
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's and optimizer's state as DCP saves and loads it (DTensor shards, keyed
+    by parameter name: loadable at any world size, and by FSDP users elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str,
+                 group: Any) -> Any:
+    """Every rank: write its shards into the DCP folder ``path`` in the background
+    (staged first, so training may go on); returns the future. ``group``: a process
+    group of the checkpoint's own (the writes' collectives run beside training's)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(sharded_state(model, optimizer), checkpoint_id=path,
+                          process_group=group)
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Every rank: load the DCP folder ``path`` into the model and optimizer, re-sharded
+    by DCP for this group, whatever group wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = sharded_state(model, optimizer)  # (gives a fresh optimizer its state's shape)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])

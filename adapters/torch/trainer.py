@@ -65,7 +65,7 @@ from pollux_launch.tuning.hooks import attach_measurement
 from pollux_launch.tuning.tuner import default_lr_rule
 
 from .data import AdaptiveDataLoader
-from .fsdp import FSDPResharder, ShardingError, is_sharded, shard_model
+from .fsdp import FSDPResharder, ShardingError, is_sharded, load_sharded, save_sharded, shard_model
 from .job import ElasticJob, JobCollectives, init
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,9 @@ class ElasticTrainer:
         self.job = job or init()
         model = _sharded(model, optimizer, sharding, self.job)
         self._resharder = FSDPResharder(model, optimizer) if is_sharded(model) else None
+        # FSDP's forward all-gathers: a peer dying there re-forms the job (as in DDP's)
+        self._guarded = (_Guarded(model, self._forward_failed) if self._resharder is not None
+                         and self.job.elastic else None)
         self.module, self.optimizer, self.loader = model, optimizer, loader
         self.lr_scheduler, self.grad_scaler = lr_scheduler, grad_scaler
         self.max_grad_norm = max_grad_norm
@@ -117,8 +120,8 @@ class ElasticTrainer:
                                         num_replicas=p.world_size, local_bsz=loader.local_bsz,
                                         sharded=self.sharded,
                                         preconditioner="identity" if self.sharded else "auto")
-        if self._resharder is not None:
-            self._resharder.measure_local_grads(self.hooks.monitor)
+        self._comm = (self._resharder.instrument(self.hooks.monitor)
+                      if self._resharder is not None else None)
         hooks = _TorchHooks(self) if self._resharder is None else _ShardedHooks(self)
         self.controller = build_controller(
             description, hooks, JobCollectives(self.job), self.hooks.profile,
@@ -140,9 +143,12 @@ class ElasticTrainer:
 
     @property
     def model(self) -> torch.nn.Module:
-        """The module to call in the training loop (DDP-wrapped when distributed and not
-        sharded). Re-read it every step: a rescale replaces the wrapper."""
-        return self._ddp if self._ddp is not None else self.module
+        """The module to call in the training loop (DDP-wrapped when distributed; a
+        sharded one guarded against a peer's failure in its collectives). Re-read it
+        every step: a rescale replaces the wrapper."""
+        if self._ddp is not None:
+            return self._ddp
+        return self._guarded if self._guarded is not None else self.module
 
     @property
     def batch_size(self) -> int:
@@ -210,8 +216,8 @@ class ElasticTrainer:
             if not self.controller.recover(exc):
                 raise
             return False
-        if self._resharder is not None:
-            self.hooks.micro_step_done(sync)
+        if self._comm is not None:
+            self.hooks.micro_step_done(sync, self._comm.take() if sync else 0.0)
         if not sync:
             return False
         self._optimizer_step()
@@ -283,13 +289,18 @@ class ElasticTrainer:
     def _release_group(self) -> None:
         """Drop the DDP wrapper, whose reducer holds the process group: a group destroyed
         while something still holds it keeps its gloo threads (``process_group``'s "Leaving
-        at exit"). When this worker leaves its job, and at exit."""
+        at exit"). When this worker leaves its job, and at exit - after the sharded
+        checkpoint write in flight, which uses the groups."""
+        hooks = getattr(getattr(self, "controller", None), "hooks", None)
+        if isinstance(hooks, _ShardedHooks):
+            hooks._settle()
         self._ddp = None
 
     def _forward_failed(self, exc: RuntimeError, inputs: tuple, kwargs: dict) -> Any:
         """DDP's forward runs collectives of its own (the bucket rebuild after the first
-        step, buffer broadcasts): a peer dying there re-forms the job like any failure,
-        and the caller gets the local module's output, whose step ``step()`` drops."""
+        step, buffer broadcasts), FSDP's its all-gathers: a peer dying there re-forms the
+        job like any failure (a sharded job's fails: a shard was lost), and the caller
+        gets the local module's output, whose step ``step()`` drops."""
         if not self.controller.recover(exc):
             raise exc
         self._discard = True
@@ -416,12 +427,39 @@ class _ShardedHooks(_TorchHooks):
     shards are re-sharded in place (``fsdp.FSDPResharder``) - survivors receive what
     they lack on the old group (``hand_off``), newcomers theirs on the new one, and only
     the small rest of the state (optimizer step counts and hyper-parameters, scheduler,
-    monitor, the controller's) goes from rank 0 to the newcomers."""
+    monitor, the controller's) goes from rank 0 to the newcomers.
+
+    Durable checkpoints: every rank writes its shards (``torch.distributed.checkpoint``,
+    in the background, over a gloo group of their own) and rank 0 the rest; a job resumes
+    from one at any size, DCP re-sharding on load. A rank lost to a failure takes its
+    shard with it: the job then resumes in place from the newest checkpoint, or fails
+    saying so where it has none."""
 
     def __init__(self, trainer: ElasticTrainer) -> None:
         super().__init__(trainer)
         self._handed: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._lost = False
+        self._saving: Any = None  # the ranks' shard write in flight (its future)
+        self._ckpt_group: Any = None  # that write's own process group (this round's)
+
+    # -- the old group ---------------------------------------------------------------
+    def _settle(self) -> None:
+        """Wait for the shard write in flight: it uses this round's groups."""
+        saving, self._saving = self._saving, None
+        if saving is None:
+            return
+        try:
+            saving.result()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is one
+            log.warning("a checkpoint's shards were not written (%s)", first_line(exc))
+
+    def capture(self, controller_state: dict[str, Any]) -> Any:
+        self._settle()
+        assert self.t._resharder is not None
+        self.t._resharder.reset_iteration()  # (a failure may have cut one short)
+        return None
 
     def hand_off(self, old: tuple[str, ...], new: tuple[str, ...], me: str) -> None:
         rs = self.t._resharder
@@ -433,6 +471,11 @@ class _ShardedHooks(_TorchHooks):
             self._lost = True
         self._handed = (old, new)
 
+    def leave(self) -> None:
+        self._settle()
+        super().leave()
+
+    # -- the new group ---------------------------------------------------------------
     def rebuild(self, captured: Any, controller_state: dict[str, Any], from_rank0: bool
                 ) -> dict[str, Any] | None:
         t, p = self.t, self.t.job.placement
@@ -440,16 +483,18 @@ class _ShardedHooks(_TorchHooks):
         rs = t._resharder
         assert rs is not None
         handed, self._handed = self._handed, None
+        self._ckpt_group = None  # (went with the old group)
         if info is None or not t.job.elastic or info.fresh:
-            return None  # the job's start (or a restart): the model as the script built it
-        lost = vote_any(self._lost or (handed is None and t.job.worker not in
-                                       info.newcomers), t.job.rdzv.group)
+            # the job's start, a restart or a static group: the model as the script
+            # built it, or the checkpoint rank 0 resumed from
+            if from_rank0 and self._any(captured is not None):
+                return self._load(captured)
+            return None
+        lost = self._any(self._lost or (handed is None and t.job.worker not in
+                                        info.newcomers))
         self._lost = False
         if lost:
-            raise ShardingError(
-                "a worker of this sharded job failed: its shard of the model is lost and "
-                "cannot be rebuilt from its peers; restart the job (durable sharded "
-                "checkpoints are not supported yet)")
+            raise self._lost_shard()
         newcomer = t.job.worker in info.newcomers
         mine = None
         if p.rank == 0:
@@ -463,9 +508,61 @@ class _ShardedHooks(_TorchHooks):
                   got["layout"] if newcomer else None)
         return got["ctl"] if newcomer else None
 
+    def _any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is on any (the round's control group, or a
+        static job's default group)."""
+        if self.t.job.rdzv is not None:
+            return vote_any(flag, self.t.job.rdzv.group)
+        if self.t.job.placement.world_size == 1:
+            return flag
+        vote = torch.tensor([float(flag)], dtype=torch.float64)
+        return bool(JobCollectives(self.t.job).allreduce(vote, "max", "pollux.vote")[0])
+
+    def _lost_shard(self) -> ShardingError:
+        """A failure took a rank and its shard, which no peer holds: the job cannot go
+        on in place (what to do instead, in one line)."""
+        ckpts = self.t.controller.checkpoints
+        resume = (f"launch it again with --checkpoint-dir {ckpts.directory} to resume from "
+                  "its newest sharded checkpoint" if ckpts is not None else
+                  "pollux-run --checkpoint-dir DIR keeps durable sharded checkpoints to "
+                  "resume from")
+        return ShardingError("a worker of this sharded job failed: its shard of the model is "
+                             f"lost and cannot be rebuilt from its peers; {resume}")
+
+    def _load(self, captured: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Every rank: the checkpoint rank 0 ``captured`` (``restore_checkpoint``): its
+        shards (DCP re-shards them for this group) and the rest from rank 0. Returns its
+        controller state elsewhere than on rank 0 (which loaded it already)."""
+        t, p = self.t, self.t.job.placement
+        got = captured if p.rank == 0 else None
+        if p.world_size > 1:
+            got = broadcast_state(got)
+        assert got is not None
+        load_sharded(t.module, t.optimizer, got["shards"])
+        t._restore(got["fw"])
+        return got["ctl"] if p.rank != 0 else None
+
+    # -- durable state -------------------------------------------------------------------
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
                          ) -> dict[str, Any] | None:
-        return None  # (sharded durable checkpoints: not yet)
+        t = self.t
+        ckpts = t.controller.checkpoints
+        if not collective or ckpts is None:
+            return None  # every rank writes its shard: only at a scheduled point
+        self._settle()
+        if self._ckpt_group is None:  # collective, as every rank is here
+            self._ckpt_group = torch.distributed.new_group(backend="gloo")
+        name = f"shards-{t.controller.steps:08d}"
+        self._saving = save_sharded(t.module, t.optimizer, str(ckpts.directory / name),
+                                    self._ckpt_group)
+        fw = t._state()
+        del fw["optimizer"]  # (the shards hold its whole state)
+        return {"fw": fw, "ctl": controller_state, "shards": name, "pending": self._saving}
+
+    def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if not isinstance(state.get("shards"), str):
+            raise ValueError("not a sharded checkpoint (this model is sharded)")
+        return {"shards": state["shards"], "fw": state["fw"], "ctl": state["ctl"]}, state["ctl"]
 
 
 def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -499,6 +596,23 @@ def _steps_on_cpu(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> di
         if isinstance(step, torch.Tensor) and step.device.type != "cpu":
             entry["step"] = step.cpu()
     return state
+
+
+class _Guarded(torch.nn.Module):
+    """A sharded module whose forward hands a collective's failure to the trainer
+    (``on_failure``), as ``_ElasticDDP`` does for DDP: a peer's death in FSDP's
+    all-gathers ends the job with the one line saying why, not gloo's traceback."""
+
+    def __init__(self, module: torch.nn.Module, on_failure: Any) -> None:
+        super().__init__()
+        self.module = module
+        self._on_failure = on_failure
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return self.module(*inputs, **kwargs)
+        except RuntimeError as exc:
+            return self._on_failure(exc, inputs, kwargs)
 
 
 class _ElasticDDP(DistributedDataParallel):

@@ -12,6 +12,14 @@ Layout of a job's checkpoint directory::
     DIR/latest                  {"name": "ckpt-00000042"}: the newest complete checkpoint
     DIR/ckpt-00000042/meta.json {"step", "progress", "time", "replicas"}
     DIR/ckpt-00000042/state.pt  the state: tensors, numbers, strings, lists and dicts only
+    DIR/ckpt-00000042/shards/   a sharded job's model and optimizer shards, written by
+                                every rank (``torch.distributed.checkpoint``); its
+                                ``state.pt`` holds the rest, with ``"shards": True``
+
+A sharded job's ranks write their shards into ``DIR/shards-<step>`` in the background
+(each rank its own; the checkpoint directory is then shared by the job's nodes), and
+rank 0's writer waits for that write (``pending``) before it moves the folder into the
+checkpoint it commits; ``latest_checkpoint`` gives its path as the state's ``"shards"``.
 
 Protocol: ``save`` snapshots the state on the caller's thread (tensors copied to CPU, so
 that training may go on mutating its own) and hands it to one background thread, which
@@ -125,6 +133,19 @@ def _save(state: dict[str, Any], file: Any) -> None:
         raise
 
 
+def _wait_for(pending: Any) -> None:
+    """The ranks' shard writes (a future): done, or a RuntimeError saying why not (DCP
+    raises a ``BaseException`` of its own for a rank's failed write)."""
+    try:
+        pending.result()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is one
+        raise RuntimeError(f"the ranks' shards were not all written: "
+                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                           ) from None
+
+
 def _megabytes(obj: Any) -> str:
     """The size of ``obj``'s tensors, e.g. ``35.9 MB``."""
     def size(o: Any) -> int:
@@ -157,6 +178,8 @@ def latest_checkpoint(directory: str | os.PathLike) -> Checkpoint | None:
     try:
         meta = json.loads((path / "meta.json").read_text())
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+        if isinstance(state, dict) and state.get("shards") is True:
+            state["shards"] = str(path / "shards")  # (where every rank reads its part)
         return Checkpoint(path, int(meta["step"]), float(meta["progress"]),
                           float(meta["time"]), int(meta["replicas"]), state)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError,
@@ -188,9 +211,11 @@ class CheckpointWriter:
         return self.clock() - self._last >= self.every
 
     def save(self, state: dict[str, Any], *, step: int, progress: float, replicas: int,
-             wait: bool = False) -> bool:
+             wait: bool = False, pending: Any = None, shards: str | None = None) -> bool:
         """Snapshot ``state`` now and write it in the background (``wait``: before
-        returning). False if a write was still in progress (nothing is taken then)."""
+        returning). False if a write was still in progress (nothing is taken then).
+        ``shards``: the folder (in the directory) the ranks' shards are being written to,
+        moved into this checkpoint once ``pending.result()`` returned (module docstring)."""
         if not self._busy.acquire(blocking=wait):
             return False
         self._last = self.clock()
@@ -203,7 +228,9 @@ class CheckpointWriter:
             raise
         meta = {"step": int(step), "progress": float(progress), "time": time.time(),
                 "replicas": int(replicas)}
-        self._thread = threading.Thread(target=self._write, args=(frozen, meta),
+        if shards is not None:
+            frozen["shards"] = True
+        self._thread = threading.Thread(target=self._write, args=(frozen, meta, pending, shards),
                                         name="pollux-checkpoint", daemon=True)
         self._thread.start()
         if wait:
@@ -216,7 +243,8 @@ class CheckpointWriter:
         if thread is not None:
             thread.join(timeout)
 
-    def _write(self, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _write(self, state: dict[str, Any], meta: dict[str, Any], pending: Any = None,
+               shards: str | None = None) -> None:
         t0 = time.perf_counter()
         tmp = done = None  # the folder being written; the complete one, not yet `latest`
         try:
@@ -233,6 +261,9 @@ class CheckpointWriter:
                 f.flush()
                 os.fsync(f.fileno())
             _write_file(tmp / "meta.json", json.dumps(meta).encode())
+            if shards is not None:  # every rank's shards, once all of them are written
+                _wait_for(pending)
+                os.replace(self.directory / shards, tmp / "shards")
             _fsync_dir(tmp)
             os.replace(tmp, self.directory / name)
             tmp, done = None, self.directory / name
@@ -272,3 +303,5 @@ class CheckpointWriter:
         for path in done[:-self.keep]:
             if path.name != newest:
                 shutil.rmtree(path, ignore_errors=True)
+        for path in self.directory.glob("shards-*"):  # of saves that never committed
+            shutil.rmtree(path, ignore_errors=True)

@@ -493,8 +493,10 @@ class ElasticController:
         if state is None:
             log.warning("no checkpoint: this state cannot be captured without its peers")
             return
+        pending, shards = state.pop("pending", None), state.pop("shards", None)
         self.checkpoints.save(state, step=self.steps, progress=self.tuner.progress.iterations,
-                              replicas=self.group.world_size, wait=wait)
+                              replicas=self.group.world_size, wait=wait, pending=pending,
+                              shards=shards)
 
     def _resume(self) -> tuple[Any, dict[str, Any]] | None:
         """Rank 0 loads the newest checkpoint, if there is one; every rank (all of them

@@ -130,7 +130,10 @@ class FrameworkHooks(Protocol):
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
                          ) -> dict[str, Any] | None:
         """The durable state (tensors, numbers, strings, lists, dicts); ``collective``
-        False: without collectives (None if that is impossible, e.g. ZeRO partitions)."""
+        False: without collectives (None if that is impossible, e.g. ZeRO partitions).
+        A sharded adapter whose ranks write their shards themselves adds ``"shards"``
+        (the folder, in the checkpoint directory, they write to) and ``"pending"`` (its
+        write's future): rank 0's writer commits the checkpoint once it completed."""
         ...
 
     def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

@@ -162,8 +162,10 @@ class GradientNoiseMonitor:
         self.process_group = process_group
         self.loss_averaged_over_accum = loss_averaged_over_accum
         self.reduce_local = reduce_local
-        # One replica, no accumulation: no local samples to compare, difference steps.
-        self.differenced = num_replicas == 1 and accum_steps == 0
+        # One replica, no accumulation: no local samples to compare, difference steps (a
+        # sharded model at one replica too: FSDP then reduces nothing, where the local
+        # gradients are seen)
+        self.differenced = num_replicas == 1 and (accum_steps == 0 or self.sharded)
         self.collect_local = not self.differenced
         self._step = 0  # synchronising steps since configure
         # the measurement schedule restarts here on every replica alike (newcomers too):

@@ -104,18 +104,18 @@ class MeasurementHooks:
             h.remove()
         self._handles.clear()
 
-    def micro_step_done(self, sync: bool) -> None:
+    def micro_step_done(self, sync: bool, comm_s: float = 0.0) -> None:
         """A backward pass ended, for a model whose parameters no hook sees (FSDP2
         computes with unsharded copies; its gradients are reduced inside backward):
-        what the two callbacks do, with ``sync`` on a step's last micro-batch. The
-        exposed communication time is not told apart from the step's."""
+        what the two callbacks do, with ``sync`` on a step's last micro-batch, and
+        ``comm_s`` the step's time in collectives (the profile's sync time)."""
         if self.monitor is not None:
             self.monitor.end_micro_step()
         if not sync:
             return
         if self.monitor is not None:
             self.monitor.reduce_local_async()
-        self._t_local_done = self._clock()
+        self._t_local_done = self._clock() - comm_s
         self._after_sync()
 
     # Autograd-engine callbacks; they must not raise into the engine on user error paths.

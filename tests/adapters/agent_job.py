@@ -49,7 +49,7 @@ def agent_job(tmp_path: Path, name: str, worker: Path, env: Mapping[str, str],
     """``worker`` as job ``name`` (its env plus LOG_DIR) under a node agent of ``slots``."""
     url = f"embedded://{tmp_path}/store.db"
     log_dir = tmp_path / "logs"
-    log_dir.mkdir()
+    log_dir.mkdir(parents=True)
     store = open_store(url)
     spec = JobSpec(name=name, command=(sys.executable, str(worker)),
                    env={"LOG_DIR": str(log_dir), **env})

@@ -4,9 +4,11 @@ the test. Appends JSON lines to $LOG_DIR/<worker>.jsonl: every optimiser step (s
 round, size, and a digest of the whole model and Adam state, gathered), each new group's
 digest right after it formed, and the end."""
 
+import faulthandler
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -20,6 +22,8 @@ import pollux_launch.adapters.torch as pollux
 from pollux_launch.elastic.adaptation import AdaptationPolicy, GoodputPolicy
 
 N = int(os.environ.get("N", 480))
+faulthandler.register(signal.SIGUSR1)  # (a hung test: kill -USR1 shows where)
+faulthandler.enable()  # (and an abort, where)
 STOP = os.path.join(os.environ["LOG_DIR"], "stop")
 log = open(os.path.join(os.environ["LOG_DIR"], os.environ["POLLUX_WORKER_ID"] + ".jsonl"), "a")
 
@@ -69,11 +73,17 @@ if sharding is None:  # as FSDP's docs show, on the job's mesh
     fully_shard(model, mesh=mesh)
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 loader = pollux.AdaptiveDataLoader(data, batch_size=12, local_bsz_bounds=(2, 12))
+ckpt = os.environ.get("CKPT_DIR") or None
 trainer = pollux.ElasticTrainer(model, optimizer, loader, report_interval=1.0,
-                                sharding=sharding, policies=[GoodputPolicy(), Digest()])
+                                sharding=sharding, policies=[GoodputPolicy(), Digest()],
+                                checkpoint_dir=ckpt,
+                                checkpoint_interval=float(os.environ.get("CKPT_EVERY", 1e9)))
 model = trainer.module
 assert trainer.sharded
-write(kind="start", pid=os.getpid(), round=job.placement.round)
+fresh = job.info is None or job.info.fresh  # every rank starts here together (a collective)
+write(kind="start", pid=os.getpid(), round=job.placement.round, step=trainer.steps,
+      resumed=trainer.resumed_from, digest=digest(model, optimizer) if fresh else None)
+SAVE_AT = int(os.environ.get("SAVE_AT", 0))
 pending = []
 for _ in trainer.epochs(10_000):
     for xb, yb, idx in loader:
@@ -84,6 +94,9 @@ for _ in trainer.epochs(10_000):
             write(kind="step", epoch=epoch, round=p.round, world=p.world_size, rank=p.rank,
                   pid=os.getpid(), indices=pending, step=trainer.steps)
             pending = []
+            if trainer.steps == SAVE_AT:
+                trainer.save_checkpoint(wait=True)
+                write(kind="saved", step=trainer.steps, digest=digest(model, optimizer))
         time.sleep(0.01)
     stop = torch.tensor([int(os.path.exists(STOP))])
     if job.placement.world_size > 1:

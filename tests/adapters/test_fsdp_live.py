@@ -81,3 +81,29 @@ def test_a_sigkilled_rank_of_a_sharded_job_fails_it_saying_why(tmp_path: Path, c
         status = job.finished(180)
         assert status.state == "failed", status
     assert "its shard of the model is lost" in capfd.readouterr().out
+
+
+def test_a_sharded_checkpoint_taken_at_3_resumes_at_2_and_at_4(tmp_path: Path) -> None:
+    """Every rank writes its shards (DCP, in the background); a new job started from the
+    checkpoint at another size holds the same whole model and Adam state."""
+    ckpt = tmp_path / "ckpt"
+    env = {"N": str(N), "SHARDING": "", "CKPT_DIR": str(ckpt), "SAVE_AT": "5"}
+    with agent_job(tmp_path / "first", "c3", WORKER, env) as job:
+        job.allocate(3)
+        saved = wait_for(lambda: next((r for rs in job.records().values() for r in rs
+                                       if r["kind"] == "saved"), None), 180, "the save")
+        (job.log_dir / "stop").touch()
+        assert job.finished().state == "succeeded"
+    assert (ckpt / "latest").exists() and not list(ckpt.glob("shards-*"))
+    for replicas in (2, 4):
+        where = tmp_path / f"at{replicas}"
+        with agent_job(where, f"c{replicas}", WORKER, {**env, "SAVE_AT": "0"}) as job:
+            job.allocate(replicas)
+            starts = wait_for(lambda j=job, r=replicas: len(
+                s := [x for rs in j.records().values() for x in rs if x["kind"] == "start"]
+            ) == r and s, 180, f"{replicas} workers started")
+            (job.log_dir / "stop").touch()
+            assert job.finished().state == "succeeded"
+        assert {s["digest"] for s in starts} == {saved["digest"]}, replicas
+        assert {s["step"] for s in starts} == {saved["step"]}
+

@@ -173,7 +173,7 @@ def _gns_worker(rank: int, sharded: bool, out_dir: str) -> None:
     hooks = attach_measurement(run, opt, 12, num_replicas=2, local_bsz=6, sharded=sharded,
                                preconditioner="identity", overhead_budget=None)
     if sharded:
-        FSDPResharder(model, opt).measure_local_grads(hooks.monitor)
+        FSDPResharder(model, opt).instrument(hooks.monitor)
     rows = []
     for step in range(3):
         g = torch.Generator().manual_seed(1000 + step)
