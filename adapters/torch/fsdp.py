@@ -190,12 +190,11 @@ class FSDPResharder:
         old, new = tuple(old), tuple(new)
         holdings: dict[str, Holding] = {}
         moves = []
-        old_rank = old.index(me)
+        old_rank, j = old.index(me), new.index(me) if me in new else None
         for e in self.entries():
             local = self._old_local(e)
             h = Holding(old=local, old_start=shard_rows(e.rows, len(old), old_rank)[0])
-            if me in new:
-                j = new.index(me)
+            if j is not None:
                 h.new, h.new_start = (self._new_local(e, local, len(new), j),
                                       shard_rows(e.rows, len(new), j)[0])
             holdings[e.key] = h
@@ -237,18 +236,6 @@ class FSDPResharder:
             g._all_gather_output = torch.empty(0, device=g.device)
             g._all_gather_result = None
         return info
-
-    def reset_iteration(self) -> None:
-        """After a forward or backward that a failed collective cut short: FSDP's state
-        of the iteration discarded and every parameter resharded (its own recovery,
-        ``FSDPModule.reset_iter_state``; torch >= 2.13), so that the model can be
-        re-pointed or trained again."""
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in self.model.modules():
-            if (isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root
-                    and hasattr(m, "reset_iter_state")):
-                m.reset_iter_state()
 
     def _install(self, entries: list[_Entry], holdings: dict[str, Holding], mesh: Any) -> None:
         info = self._repoint(mesh)

@@ -291,9 +291,8 @@ class ElasticTrainer:
         while something still holds it keeps its gloo threads (``process_group``'s "Leaving
         at exit"). When this worker leaves its job, and at exit - after the sharded
         checkpoint write in flight, which uses the groups."""
-        hooks = getattr(getattr(self, "controller", None), "hooks", None)
-        if isinstance(hooks, _ShardedHooks):
-            hooks._settle()
+        if isinstance(self.controller.hooks, _ShardedHooks):
+            self.controller.hooks._settle()
         self._ddp = None
 
     def _forward_failed(self, exc: RuntimeError, inputs: tuple, kwargs: dict) -> Any:
@@ -432,8 +431,7 @@ class _ShardedHooks(_TorchHooks):
     Durable checkpoints: every rank writes its shards (``torch.distributed.checkpoint``,
     in the background, over a gloo group of their own) and rank 0 the rest; a job resumes
     from one at any size, DCP re-sharding on load. A rank lost to a failure takes its
-    shard with it: the job then resumes in place from the newest checkpoint, or fails
-    saying so where it has none."""
+    shard with it: the job fails, saying so in one line (and how to resume)."""
 
     def __init__(self, trainer: ElasticTrainer) -> None:
         super().__init__(trainer)
@@ -457,8 +455,6 @@ class _ShardedHooks(_TorchHooks):
 
     def capture(self, controller_state: dict[str, Any]) -> Any:
         self._settle()
-        assert self.t._resharder is not None
-        self.t._resharder.reset_iteration()  # (a failure may have cut one short)
         return None
 
     def hand_off(self, old: tuple[str, ...], new: tuple[str, ...], me: str) -> None:
@@ -509,14 +505,12 @@ class _ShardedHooks(_TorchHooks):
         return got["ctl"] if newcomer else None
 
     def _any(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is on any (the round's control group, or a
-        static job's default group)."""
-        if self.t.job.rdzv is not None:
-            return vote_any(flag, self.t.job.rdzv.group)
+        """True on every rank if ``flag`` is on any (the controller's collectives: the
+        round's control group, or a static job's default group)."""
         if self.t.job.placement.world_size == 1:
             return flag
         vote = torch.tensor([float(flag)], dtype=torch.float64)
-        return bool(JobCollectives(self.t.job).allreduce(vote, "max", "pollux.vote")[0])
+        return bool(self.t.controller.group.allreduce(vote, "max", "pollux.vote")[0])
 
     def _lost_shard(self) -> ShardingError:
         """A failure took a rank and its shard, which no peer holds: the job cannot go

@@ -50,11 +50,6 @@ DEFAULT_MAX_INTERVAL = 32
 _FIRST_ADAPT = 8  # measured steps before the interval is first adapted (then every flush)
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A DTensor's local shard (FSDP2's sharded gradients); any other tensor itself."""
-    return t._local_tensor if t is not None and hasattr(t, "_local_tensor") else t
-
-
 def _sqr(t: torch.Tensor) -> torch.Tensor:
     """``|t|^2`` as a 0-d tensor; a BLAS dot on CPU, a float32-accumulated norm otherwise."""
     if t.dtype in _DOT_DTYPES and t.device.type == "cpu":
@@ -251,7 +246,9 @@ class GradientNoiseMonitor:
         try:
             if self.measuring:
                 if grads is None:
-                    grads = [_local(p.grad) for p in self.params]
+                    grads = [p.grad for p in self.params]
+                    if self.sharded:  # FSDP2's gradients are DTensors: their local shards
+                        grads = [g if g is None else g._local_tensor for g in grads]
                 idx = [i for i, g in enumerate(grads) if g is not None]
                 present = [grads[i] for i in idx]  # type: ignore[misc]
                 if present:

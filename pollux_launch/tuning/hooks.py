@@ -172,8 +172,8 @@ def attach_measurement(
     ``overhead_budget``: the fraction of step time the noise-scale measurement may cost
     (it then measures only every few steps); None measures every step. ``sharded``: an
     FSDP2 model, whose adapter feeds the local gradients (``add_local``, from its
-    reduce-scatter) and calls :meth:`MeasurementHooks.step_done` after each synchronising
-    backward (its parameters are not in the autograd graph: no hook fires).
+    reduce-scatter) and calls :meth:`MeasurementHooks.micro_step_done` after each backward
+    (its parameters are not in the autograd graph: no hook fires).
     """
     monitor = (
         GradientNoiseMonitor(
