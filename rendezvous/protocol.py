@@ -245,6 +245,9 @@ class Rendezvous:
         self._alloc_size, self._alloc_seen = 0, 0.0  # latest allocation's replicas, when seen
         self._live: set[str] = set()  # registered workers of the job
         self._dead: set[str] = set()
+        # members whose lease lapsed around a store outage, and when they count as dead if
+        # they have not registered again (see _gone)
+        self._doubted: dict[str, float] = {}
         # lost hosts (sever.py): when the watcher's store calls last started succeeding,
         # each worker's address, and the (round, address) pairs already cut
         self._store_ok_since: float | None = time.monotonic()
@@ -741,7 +744,10 @@ class Rendezvous:
             for kv in workers:
                 self._on_event("put", kv.key, kv.value)
             members = self.info.members if self.info else ()
-            self._dead = {w for w in members if self.keys.worker(w) not in live}
+            self._dead = set()
+            for w in members:
+                if self.keys.worker(w) not in live:
+                    self._gone(w)
             self._live = {key[len(self.keys.workers):] for key in live}
             self._update_flag()
         return rev
@@ -750,17 +756,20 @@ class Rendezvous:
         k = self.keys
         if key.startswith(k.workers):
             name = key[len(k.workers):]
-            (self._dead.add if kind == "delete" else self._dead.discard)(name)
             (self._live.discard if kind == "delete" else self._live.add)(name)
-            if kind == "put":
-                self._lost.discard(name)
-                try:
-                    self._addr_of[name] = decode(WorkerInfo, value).addr
-                except MessageError as exc:
-                    log.warning("job %s: ignoring malformed worker record: %s", self.job, exc)
-            elif self._store_ok_since is not None and (
-                    time.monotonic() - self._store_ok_since > self.config.lease_ttl):
-                self._lost.add(name)  # it stopped refreshing while the store answered us
+            if kind == "delete":
+                self._gone(name)
+                if self._store_ok_since is not None and (
+                        time.monotonic() - self._store_ok_since > self.config.lease_ttl):
+                    self._lost.add(name)  # it stopped refreshing while the store answered us
+                return
+            self._dead.discard(name)
+            self._doubted.pop(name, None)
+            self._lost.discard(name)
+            try:
+                self._addr_of[name] = decode(WorkerInfo, value).addr
+            except MessageError as exc:
+                log.warning("job %s: ignoring malformed worker record: %s", self.job, exc)
         elif kind != "put":
             return
         elif key == k.allocation:
@@ -776,6 +785,19 @@ class Rendezvous:
                 self._latest_round = max(self._latest_round, decode(RoundInfo, value).round)
             except MessageError as exc:
                 log.warning("job %s: ignoring malformed round record: %s", self.job, exc)
+
+    def _gone(self, name: str) -> None:
+        """Under the lock: worker ``name``'s key is gone (its lease lapsed or was revoked).
+        While the store was out of reach or has just come back, a lapsed lease is likely the
+        store's doing (keep-alives queued behind the stall land after the expiry): the
+        worker counts as dead only if it has not registered again ``lease_ttl`` after the
+        store answered again. Nothing is lost by waiting: a worker that really died breaks
+        its group's next collective at once, which re-forms the round without the store."""
+        since, now = self._store_ok_since, time.monotonic()
+        if since is not None and now - since > self.config.lease_ttl:
+            self._dead.add(name)
+        else:
+            self._doubted.setdefault(name, now + self.config.lease_ttl)
 
     def _cut_lost_hosts(self) -> None:
         """A host all of whose members lost their leases while this worker could reach the
@@ -801,6 +823,11 @@ class Rendezvous:
 
     def _update_flag(self) -> None:
         """Under the lock: raise the flag if the job has moved past our round."""
+        now = time.monotonic()
+        for name, deadline in list(self._doubted.items()):
+            if now >= deadline:  # it did not register again: dead after all
+                del self._doubted[name]
+                self._dead.add(name)
         info = self.info
         if info is None:
             return

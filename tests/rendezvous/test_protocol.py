@@ -191,3 +191,23 @@ def test_group_info_local_placement():
                      "127.0.0.1", 1, ("a", "b", "a", "a"))
     assert (info.local_rank, info.local_world_size, info.num_nodes) == (2, 3, 2)
     assert not info.needs_state_sync
+
+
+@pytest.mark.parametrize("store_just_back", [True, False])
+def test_a_lease_lapsed_around_a_store_outage_is_not_taken_for_a_death(store, store_just_back):
+    """Keep-alives queued behind a stalled store land after its leases expired: a member
+    whose key vanished while the store was away, or just after it came back, counts as
+    dead only if it has not registered again ``lease_ttl`` later (it re-registers at
+    once: its group goes on, nobody re-forms). Once the store has answered for longer,
+    a vanished member is dead at once, as before."""
+    _allocate(store, "stall", 1, 1)
+    with Rendezvous(store, "stall", "w0", node="local", config=FAST) as rdzv:
+        rdzv.next_round()
+        key = JobKeys("stall").worker("w0")
+        # the watcher's own record of when the store last started answering
+        rdzv._store_ok_since = time.monotonic() - (0.0 if store_just_back else 10.0)
+        lease = rdzv._lease
+        store.lease_revoke(lease)  # the lease lapses: the worker's key goes
+        assert _until(lambda: rdzv._lease != lease and store.get(key) is not None)
+        time.sleep(2 * FAST.lease_ttl)  # (past any doubt: a real death would count now)
+        assert rdzv.poll() is not store_just_back
