@@ -63,12 +63,14 @@ def main() -> None:
                                       config=opts.config)
     acc = 0.0
     for epoch in epochs(engine, opts.epochs):
-        for xb, yb in loader:
+        for xb, yb in loader:  # (to the engine's GPU where there is one)
+            xb, yb = xb.to(engine.device, non_blocking=True), yb.to(engine.device)
             loss = F.cross_entropy(engine(xb), yb)
             engine.backward(loss)
             engine.step()  # under pollux-run: batch changes and rescales happen in here
         with torch.no_grad():
-            acc = (engine.module(x[val]).argmax(1) == y[val]).float().mean().item()
+            out = engine.module(x[val].to(engine.device)).argmax(1)
+            acc = (out == y[val].to(engine.device)).float().mean().item()
         if engine.global_rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.3f} val acc {acc:.3f} batch "
                   f"{engine.train_batch_size()} = {engine.dp_world_size} x "

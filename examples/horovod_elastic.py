@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
 
 def digest(model: torch.nn.Module) -> str:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha1(flat.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 class Log:
@@ -91,7 +91,12 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch_size * args.accum, sampler=sampler,
                         drop_last=True)
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    # on a GPU machine: the worker's own GPU (Horovod's local rank; pollux-run's agent gives
+    # each worker one and makes it visible as the local rank's)
+    device = (torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+              if torch.cuda.is_available() else torch.device("cpu"))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     optimizer = DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(),
@@ -113,6 +118,7 @@ def main() -> None:
         since_start = 0
         while state.epoch < args.epochs:
             for x, y in loader:  # the sampler re-partitions what is left after a reset
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 accum = optimizer.backward_passes_per_step  # Pollux may change it
                 optimizer.zero_grad()
                 for xs, ys in zip(x.chunk(accum), y.chunk(accum), strict=True):

@@ -84,6 +84,9 @@ class PolluxConfig:
             (``pollux``: Pollux's goodput policy) or ``module:Class`` import path
             (``pollux_launch.elastic.adaptation``). Default: ``["pollux"]``; a list given
             replaces it. ``pollux-run --policy-module`` adds to it.
+        decide_every: steps between the job's decisions (what its policies see as
+            ``decision_due``). Default: at least 20, more where a decision would cost
+            over 0.5 % of the training time between two (very fast steps).
     """
 
     enabled: bool = False
@@ -97,6 +100,7 @@ class PolluxConfig:
     checkpoint_interval: float | None = None
     policies: tuple[str, ...] | None = None
     min_batch_size: int | None = None
+    decide_every: int | None = None
 
     @property
     def min_micro_batch_size(self) -> int:
@@ -137,6 +141,7 @@ _FIELDS = {
     "checkpoint_dir": str,
     "checkpoint_interval": float,
     "policies": list,
+    "decide_every": int,
 }
 
 
@@ -256,6 +261,10 @@ def parse_pollux_config(config: str | Path | Mapping[str, Any] | None) -> Pollux
         raise PolluxConfigError(
             f"pollux.checkpoint_interval must be > 0 seconds, got {ckpt_every}")
 
+    decide_every = section.get("decide_every")
+    if decide_every is not None and decide_every < 1:
+        raise PolluxConfigError(f"pollux.decide_every must be >= 1 step, got {decide_every}")
+
     policies = section.get("policies")
     if policies is not None:
         from pollux_launch.elastic.adaptation import PolicyError, check_spec
@@ -276,7 +285,7 @@ def parse_pollux_config(config: str | Path | Mapping[str, Any] | None) -> Pollux
                        gradient_accumulation=accumulate, report_interval=float(report),
                        checkpoint_dir=ckpt_dir,
                        checkpoint_interval=None if ckpt_every is None else float(ckpt_every),
-                       policies=policies)
+                       policies=policies, decide_every=decide_every)
     if enabled:
         _check_conflicts(ds, cfg)
     return cfg

@@ -71,7 +71,7 @@ class ElasticDeepSpeed:
     """
 
     def __init__(self, handle: Any, job: Any, loader: Any = None, *,
-                 decide_every: int = 20, min_gain: float = 0.05,
+                 decide_every: int | None = None, min_gain: float = 0.05,
                  checkpoints: Any = None, policies: Any = None) -> None:
         from pollux_launch.adapters.torch.job import JobCollectives
 
@@ -123,7 +123,7 @@ class ElasticDeepSpeed:
         self._t_last = now
         if not self.keep_state:
             self.handle.restored_state = None
-        self.controller.after_step(self.handle.train_batch_size())
+        self.controller.after_step(self.handle.engine.train_batch_size())  # (no forwarding)
 
     def recover(self, exc: RuntimeError) -> bool:
         """After a collective raised: True if it was a peer's failure and the job re-formed

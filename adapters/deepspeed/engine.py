@@ -188,7 +188,8 @@ def _initialize_elastic(deepspeed: Any, kwargs: dict[str, Any], ds_config: dict[
     handle = PolluxEngine(recipe, pollux, micro, steps)
     handle.loader = loader
     ElasticDeepSpeed(handle, job, loader, checkpoints=checkpoint_writer(
-        pollux.checkpoint_dir, pollux.checkpoint_interval), policies=policies)
+        pollux.checkpoint_dir, pollux.checkpoint_interval), policies=policies,
+        decide_every=pollux.decide_every)
     return handle, handle.live("optimizer"), loader, handle.live("lr_scheduler")
 
 
@@ -330,7 +331,7 @@ class PolluxEngine:
             mine = restored.get("client", {}).get("pollux")
             if mine:
                 self._lr_factor = float(mine["lr_factor"])
-                self.grad_stats.estimator.load_state_dict(mine["gns"])
+                self.grad_stats.load_state_dict(mine["gns"])
                 if tuple(mine["batch"]) != self.batch:  # a newcomer adopts the job's batch
                     self._apply_batch(*mine["batch"])
         return restored
@@ -479,14 +480,17 @@ class PolluxEngine:
         self._lr_factor = float(factor)
 
     def _scale_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._lr_factor == 1.0:  # (nothing to scale, nothing to restore)
+            self._saved_lrs = []
+            return
         self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
-        if self._lr_factor != 1.0:
-            for g in optimizer.param_groups:
-                g["lr"] = g["lr"] * self._lr_factor
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * self._lr_factor
 
     def _unscale_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for g, lr in zip(optimizer.param_groups, self._saved_lrs, strict=True):
-            g["lr"] = lr
+        if self._saved_lrs:
+            for g, lr in zip(optimizer.param_groups, self._saved_lrs, strict=True):
+                g["lr"] = lr
 
     # -- live rescale ----------------------------------------------------------------
     def capture(self, client_state: dict[str, Any] | None = None) -> EngineState:
@@ -494,7 +498,7 @@ class PolluxEngine:
         adapter's own (LR factor, batch, gradient statistics) under ``client["pollux"]``."""
         client = dict(client_state or {})
         client["pollux"] = {"lr_factor": self._lr_factor, "batch": list(self.batch),
-                            "gns": self.grad_stats.estimator.state_dict()}
+                            "gns": self.grad_stats.state_dict()}
         return capture(self.engine, client)
 
     def rescale(self, reform: Callable[[], bool], micro_batch: int | None = None,

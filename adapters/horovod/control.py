@@ -58,6 +58,7 @@ from pollux_launch.elastic.adaptation import AdaptationPolicy
 from pollux_launch.elastic.controller import ElasticController
 from pollux_launch.elastic.factory import JobDescription, WorkerEnv, build_controller, job_policies
 from pollux_launch.tuning.gns import GNSEstimator, GradNoise
+from pollux_launch.tuning.sync_points import SyncPoints
 from pollux_launch.tuning.tuner import GoodputTuner, default_lr_rule
 
 from .measure import HorovodMeasurement
@@ -107,7 +108,7 @@ class HorovodControl:
         min_batch_size: int | None = None,
         lr_scaling: str | Callable[[float, Any], float] = "auto",
         report_interval: float = 30.0,
-        decide_every: int = 20,
+        decide_every: int | None = None,
         min_gain: float = 0.05,
         dataset_size: int | None = None,
         on_decision: Callable[[int, int, float], None] | None = None,
@@ -115,7 +116,7 @@ class HorovodControl:
     ) -> None:
         if not isinstance(local_bsz, int) or local_bsz < 1:
             raise ValueError(f"local_bsz must be a positive integer, got {local_bsz!r}")
-        if decide_every < 1:
+        if decide_every is not None and decide_every < 1:
             raise ValueError(f"decide_every must be >= 1, got {decide_every}")
         if data_loader is not None and getattr(data_loader, "batch_sampler", None) is None:
             raise ValueError("data_loader: need a torch DataLoader built with batch_size=... "
@@ -147,12 +148,19 @@ class HorovodControl:
         self.policies = job_policies(policies, self._env)  # a bad one fails here, not later
         self.tuner: GoodputTuner | None = None  # built at the first sync (needs M0)
         self.controller: ElasticController | None = None
+        # where values are read: the measurement's points (one count per optimizer)
+        self.sync_points: SyncPoints = getattr(measurement, "sync_points", None) or SyncPoints()
         self.lr_factor = 1.0
         self._resumed: dict[str, Any] | None = None  # a checkpoint's, for the next sync
 
     # -- what the optimizer calls ----------------------------------------------------------
     def sync(self) -> None:
-        """All ranks, after every reset and at the start: take rank 0's state, decide."""
+        """All ranks, after every reset and at the start: take rank 0's state, decide (a
+        scheduled point: it reads values)."""
+        with self.sync_points.scheduled("sync"):
+            self._sync()
+
+    def _sync(self) -> None:
         hvd, m = self.hvd, self.measurement
         if hvd.rank() == 0 and self.controller is None:
             self._build(self._init_batch_size or hvd.size() * self.local_bsz
@@ -209,17 +217,17 @@ class HorovodControl:
         ``hvd.elastic.run`` calls the training function again on every rank, so a loop
         that calls this at its top runs it again for the epoch in progress - on every
         rank alike, newcomers included, as the policies' collectives need."""
-        self._start_unsynced()
+        self.start_unsynced()
         if self.controller is not None:
             self.controller.before_epoch(epoch)
 
     def after_epoch(self, epoch: int) -> None:
         """All ranks, after each epoch: the policies' ``after_epoch`` and a decision."""
-        self._start_unsynced()
+        self.start_unsynced()
         if self.controller is not None:
             self.controller.after_epoch(epoch)
 
-    def _start_unsynced(self) -> None:
+    def start_unsynced(self) -> None:
         """No ``TorchState`` sync started the control (a script without ``hvd.elastic``):
         under pollux-run every rank starts it at its first call here or in ``step()``."""
         if self.tuner is None and self._env.environ.get(envvars.JOB):
@@ -254,7 +262,8 @@ class HorovodControl:
             m.estimator = GNSEstimator(m0, m.smoothing)
         self.controller = build_controller(
             description, _HorovodHooks(self), _HorovodGroup(self.hvd), m.profile,
-            policies=self.policies)
+            policies=self.policies, sync_points=self.sync_points)  # (one count: syncs' too)
+        m.scheduled = True  # the measurement reads its rows, refreshes 1/P at decisions only
         self.tuner = self.controller.tuner
 
     def _grad(self) -> GradNoise | None:

@@ -91,28 +91,22 @@ def _step(self: Any, closure: Any = None) -> Any:
     ctl: HorovodControl | None = self.pollux_control
     if ctl is None:
         return _Base.step(self, closure)
-    if ctl.tuner is None and _under_pollux_run():
-        ctl.sync()  # no TorchState sync ran (not hvd.elastic): start here, on all ranks
+    if ctl.tuner is None:
+        ctl.start_unsynced()  # no TorchState sync ran (not hvd.elastic): under pollux-run
     factor = ctl.lr_factor
-    base = [g["lr"] for g in self.param_groups]
-    if factor != 1.0:
+    if factor == 1.0:  # (nothing to scale, nothing to restore)
+        result = _Base.step(self, closure)
+    else:
+        base = [g["lr"] for g in self.param_groups]
         for group in self.param_groups:
             group["lr"] = group["lr"] * factor
-    try:
-        result = _Base.step(self, closure)
-    finally:
-        for group, lr in zip(self.param_groups, base, strict=True):
-            group["lr"] = lr
+        try:
+            result = _Base.step(self, closure)
+        finally:
+            for group, lr in zip(self.param_groups, base, strict=True):
+                group["lr"] = lr
     ctl.after_step()
     return result
-
-
-def _under_pollux_run() -> bool:
-    import os
-
-    from pollux_launch import env as envvars
-
-    return bool(os.environ.get(envvars.JOB))
 
 
 _OVERRIDES = {
@@ -185,7 +179,7 @@ def DistributedOptimizer(
     local_bsz_bounds: tuple[int, int] | None = None,
     lr_scaling: Any = "auto",
     report_interval: float = 30.0,
-    decide_every: int = 20,
+    decide_every: int | None = None,
     on_decision: Callable[[int, int, float], None] | None = None,
     policies: Any = None,
 ) -> Any:
@@ -203,7 +197,8 @@ def DistributedOptimizer(
     batch), ``min_batch_size`` (the range's lower end), ``local_bsz_bounds``,
     ``lr_scaling`` ("auto": AdaScale for SGD, "sqrt" for Adam; or "linear", "legw", a
     function), ``report_interval`` (seconds between hints),
-    ``decide_every`` (steps between decisions), ``on_decision(m, s, lr_factor)``,
+    ``decide_every`` (steps between decisions; None: at least 20, spaced by their
+    cost), ``on_decision(m, s, lr_factor)``,
     ``policies`` (adaptation policies, ``pollux_launch.elastic.AdaptationPolicy``; None:
     ``pollux-run --policy-module``'s, else Pollux's goodput policy).
     """

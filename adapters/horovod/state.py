@@ -32,6 +32,7 @@ import torch
 from pollux_launch.elastic.checkpoint import CheckpointError, latest_checkpoint
 from pollux_launch.elastic.controller import checkpoint_writer
 from pollux_launch.elastic.failures import first_line
+from pollux_launch.tuning.sync_points import SyncPoints
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ class TorchState(hvd.elastic.TorchState):
 
     # -- Horovod's points ---------------------------------------------------------------
     def sync(self) -> None:
+        with self._sync_points().scheduled("reset"):  # (every rank syncs: it may read)
+            self._sync()
+
+    def _sync(self) -> None:
         if self._pollux_writer is not None:
             # collective on every sync (all ranks sync together): did any rank sync before?
             seen = hvd.allreduce(torch.tensor([int(self._pollux_synced)]), op=hvd.Max,
@@ -79,6 +84,11 @@ class TorchState(hvd.elastic.TorchState):
         if self._pollux_writer is None:
             raise ValueError("save_checkpoint: no checkpoint directory (checkpoint_dir= or "
                              "pollux-run --checkpoint-dir)")
+        with self._sync_points().scheduled("checkpoint"):  # (it reads the statistics)
+            self._save_checkpoint(wait)
+
+    def _save_checkpoint(self, wait: bool) -> None:
+        assert self._pollux_writer is not None
         state = self._durable_state()
         control = self._control()
         steps = control.steps if control is not None else int(state["values"].get("step", 0)
@@ -87,6 +97,14 @@ class TorchState(hvd.elastic.TorchState):
             control is not None and control.controller is not None) else float(steps)
         self._pollux_writer.save(state, step=steps, progress=progress, replicas=hvd.size(),
                                  wait=wait)
+
+    def _sync_points(self) -> SyncPoints:
+        """The pollux optimizer's scheduled points (a private count without one)."""
+        for handler in self._handlers.values():
+            measurement = getattr(handler.value, "pollux", None)
+            if isinstance(getattr(measurement, "sync_points", None), SyncPoints):
+                return measurement.sync_points
+        return SyncPoints()
 
     def _control(self) -> Any:
         for handler in self._handlers.values():

@@ -22,6 +22,13 @@ The end of an epoch (``drop_last=False``, the default):
 
 With ``drop_last=True`` a final step smaller than ``W * b`` is dropped (every sample at
 most once; fewer than ``W * b`` unseen).
+
+Fetching. Each micro-batch is one list of indices, fetched as ``DataLoader`` fetches a
+batch: a data set with ``__getitems__`` gets the whole list in one call (then
+``collate_fn``), and a ``TensorDataset`` (or a ``Subset`` of one) is indexed once per
+tensor with the list (:class:`TensorBatches`: no per-sample tuples, no stacking) unless a
+``collate_fn`` is given; other data sets sample by sample. ``num_workers``,
+``pin_memory`` and the rest go to ``DataLoader`` unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DataLoader, Dataset
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +113,8 @@ class ElasticSampler:
         return self.dataset_len - self.position
 
     def exhausted(self, num_replicas: int, local_bsz: int) -> bool:
-        return not plan_step(self.remaining, num_replicas, local_bsz, self.drop_last)
+        remaining = self.dataset_len - self.position  # (plan_step's rule, inline: per step)
+        return remaining <= 0 or (self.drop_last and remaining < num_replicas * local_bsz)
 
     def batch(
         self, rank: int, num_replicas: int, local_bsz: int, position: int | None = None
@@ -115,6 +124,9 @@ class ElasticSampler:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
         pos = self.position if position is None else position
+        if self.dataset_len - pos - num_replicas * local_bsz >= num_replicas:
+            start = pos + rank * local_bsz  # a full step, no tail to absorb: even slices
+            return self.order()[start : start + local_bsz].tolist()
         sizes = plan_step(self.dataset_len - pos, num_replicas, local_bsz, self.drop_last)
         if not sizes:
             return []
@@ -127,6 +139,10 @@ class ElasticSampler:
 
     def advance(self, num_replicas: int, local_bsz: int) -> int:
         """Move past one step; returns how many samples it consumed (all ranks)."""
+        full = num_replicas * local_bsz
+        if self.dataset_len - self.position - full >= num_replicas:  # (batch()'s fast case)
+            self.position += full
+            return full
         sizes = plan_step(self.remaining, num_replicas, local_bsz, self.drop_last)
         consumed = sum(sizes)
         self.padded += sum(1 for s in sizes if s == 0)
@@ -167,6 +183,51 @@ class ElasticSampler:
             self.padded = int(state["padded"])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"ElasticSampler state is malformed: {exc}") from None
+
+
+class TensorBatches(Dataset):
+    """A ``TensorDataset`` (or a ``Subset`` of one) fetched a batch at a time: a list of
+    indices indexes each tensor once (``__getitems__``) and is already the batch - pass
+    ``collate_fn=whole_batch`` to a ``DataLoader`` over it. Sample by sample as before
+    through ``__getitem__``."""
+
+    def __init__(self, dataset: TensorDataset | Subset) -> None:
+        self.dataset = dataset
+        base, rows = dataset, None
+        if isinstance(dataset, Subset):
+            base, rows = dataset.dataset, torch.as_tensor(dataset.indices, dtype=torch.long)
+        if not isinstance(base, TensorDataset):
+            raise TypeError(f"TensorBatches needs a TensorDataset, got {type(base).__name__}")
+        self.tensors, self._rows = base.tensors, rows
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        if self._rows is not None:
+            idx = self._rows[idx]
+        return tuple(t[idx] for t in self.tensors)
+
+
+def whole_batch(batch: Any) -> Any:
+    """``collate_fn`` for a data set whose ``__getitems__`` returns the batch itself."""
+    return batch
+
+
+def batched_fetch(dataset: Dataset, loader_kwargs: dict[str, Any]
+                  ) -> tuple[Dataset, dict[str, Any]]:
+    """What a ``DataLoader`` should fetch from, and its arguments: a tensor data set (no
+    ``collate_fn`` of the user's) as :class:`TensorBatches`; anything else as it is."""
+    if loader_kwargs.get("collate_fn") is not None:
+        return dataset, loader_kwargs
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    if type(base) is not TensorDataset:  # (a subclass may override __getitem__)
+        return dataset, loader_kwargs
+    return TensorBatches(dataset), {**loader_kwargs, "collate_fn": whole_batch}  # type: ignore[arg-type]
 
 
 class _Plan:
@@ -234,6 +295,7 @@ class AdaptiveDataLoader:
         if not 1 <= lo <= hi:
             raise ValueError(f"local_bsz_bounds must satisfy 1 <= lo <= hi, got {local_bsz_bounds}")
         self.dataset = dataset
+        self._fetch_from, loader_kwargs = batched_fetch(dataset, loader_kwargs)
         self.init_batch_size = batch_size
         self.max_batch_size = max_batch_size
         self.min_batch_size = min_batch_size
@@ -328,7 +390,7 @@ class AdaptiveDataLoader:
         while not self.sampler.exhausted(self.num_replicas, self.local_bsz):
             restart = False
             plan = _Plan(self.sampler.batches(self.rank, self.num_replicas, self.local_bsz))
-            loader = DataLoader(self.dataset, batch_sampler=plan, **self._loader_kwargs)
+            loader = DataLoader(self._fetch_from, batch_sampler=plan, **self._loader_kwargs)
             for batch in loader:
                 self.sampler.advance(self.num_replicas, self.local_bsz)
                 self._micro += 1

@@ -104,6 +104,18 @@ class ElasticJob:
         """This worker's id in the job's rounds (None for a static job)."""
         return self.rdzv.worker if self.rdzv else None
 
+    @property
+    def device(self) -> torch.device:
+        """Where this worker trains: its own GPU (the one its node agent gave it under
+        pollux-run, else ``cuda:LOCAL_RANK`` as torchrun's scripts use), or the CPU where
+        CUDA is absent. The same for the process's life: rescales never move it."""
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        index = own_gpu_index()
+        if index is None:
+            index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        return torch.device("cuda", index)
+
     def device_mesh(self, device_type: str | None = None) -> Any:
         """A 1-D ``DeviceMesh`` over this round's group, for ``fully_shard(mesh=...)``
         (cuda where the group is nccl, else cpu); a live rescale re-points a model
@@ -250,7 +262,10 @@ def init(backend: str | None = None, config: RendezvousConfig | None = None) -> 
         job = ElasticJob(None, backend)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group(backend or "gloo")
+            if torch.cuda.is_available():  # (as torchrun's scripts do: nccl on GPUs)
+                torch.cuda.set_device(job.device)
+            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available()
+                                                else "gloo"))
         if dist.is_initialized():
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             job.placement = Placement(

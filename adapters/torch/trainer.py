@@ -24,6 +24,12 @@ around ``optimizer.step()`` and undone right after (the user's scheduler never s
 and the training state (model, optimizer, scheduler, scaler, gradient monitor, extras)
 that newcomers receive by broadcast and checkpoints keep.
 
+The step is a hot path (issue 31): ``step()`` costs a few tens of microseconds of host
+work beyond the user's backward and optimiser step, and never makes the host wait for
+the device - the measurement hooks run per parameter only on the steps the gradient
+monitor samples, and every read of a device value (the monitor's rows, the decision)
+happens at the controller's scheduled points (``pollux_launch.tuning.sync_points``).
+
 Adaptation policies (``policies=[...]``, or ``pollux-run --policy-module``; default:
 Pollux's goodput policy) run at these boundaries: see :mod:`pollux_launch.elastic.adaptation`.
 ``trainer.stopped`` tells that one ended training.
@@ -84,7 +90,7 @@ class ElasticTrainer:
         lr_scaling: str | Any = "auto",
         max_grad_norm: float | None = None,
         report_interval: float = 30.0,
-        decide_every: int = 20,
+        decide_every: int | None = None,
         min_gain: float = 0.05,
         ddp_kwargs: dict[str, Any] | None = None,
         checkpoint_dir: str | None = None,
@@ -118,7 +124,7 @@ class ElasticTrainer:
         self.hooks = attach_measurement(model, optimizer, description.init_batch_size,
                                         grad_scaler=grad_scaler, num_nodes=p.num_nodes,
                                         num_replicas=p.world_size, local_bsz=loader.local_bsz,
-                                        sharded=self.sharded,
+                                        sharded=self.sharded, driven=True,
                                         preconditioner="identity" if self.sharded else "auto")
         self._comm = (self._resharder.instrument(self.hooks.monitor)
                       if self._resharder is not None else None)
@@ -200,24 +206,26 @@ class ElasticTrainer:
             self._discard = False
             self.optimizer.zero_grad(set_to_none=True)
             return False
-        sync = self.loader.is_sync_step
-        if self.loader.accum_steps:  # average, not sum, over the micro-batches of a step
-            loss = loss / (self.loader.accum_steps + 1)
-        quiet = contextlib.ExitStack()
-        if not sync:
-            quiet.enter_context(self.hooks.accumulate())
-            if self._ddp is not None:
-                quiet.enter_context(self._ddp.no_sync())
+        loader = self.loader
+        sync = loader.is_sync_step
+        if loader.accum_steps:  # average, not sum, over the micro-batches of a step
+            loss = loss / (loader.accum_steps + 1)
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
         try:
-            with quiet:
-                (self.grad_scaler.scale(loss) if self.grad_scaler else loss).backward()
+            if sync:
+                loss.backward()
+            else:
+                with self.hooks.accumulate(), (self._ddp.no_sync() if self._ddp is not None
+                                               else contextlib.nullcontext()):
+                    loss.backward()
         except RuntimeError as exc:
             self.optimizer.zero_grad(set_to_none=True)
             if not self.controller.recover(exc):
                 raise
             return False
-        if self._comm is not None:
-            self.hooks.micro_step_done(sync, self._comm.take() if sync else 0.0)
+        self.hooks.micro_step_done(sync, None if self._comm is None
+                                   else self._comm.take() if sync else 0.0)
         if not sync:
             return False
         self._optimizer_step()
@@ -262,24 +270,30 @@ class ElasticTrainer:
 
     # -- the optimiser step ------------------------------------------------------------
     def _optimizer_step(self) -> None:
-        factor = self.controller.lr_factor
-        if self.grad_scaler is not None:
-            self.grad_scaler.unscale_(self.optimizer)
+        """Clip, step with the LR factor applied (undone right after: the user's
+        scheduler never sees it), zero the gradients, count the step. No host-device
+        synchronisation: the scaler unscales only for clipping (a fused optimizer
+        unscales inside its own kernel otherwise) and nothing reads a tensor."""
+        opt, scaler, factor = self.optimizer, self.grad_scaler, self.controller.lr_factor
         if self.max_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
-        base = [g["lr"] for g in self.optimizer.param_groups]
-        for group, lr in zip(self.optimizer.param_groups, base, strict=True):
-            group["lr"] = lr * factor
+        base = [g["lr"] for g in opt.param_groups] if factor != 1.0 else None
+        if base is not None:
+            for group, lr in zip(opt.param_groups, base, strict=True):
+                group["lr"] = lr * factor
         try:
-            if self.grad_scaler is not None:
-                self.grad_scaler.step(self.optimizer)
-                self.grad_scaler.update()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
             else:
-                self.optimizer.step()
+                opt.step()
         finally:
-            for group, lr in zip(self.optimizer.param_groups, base, strict=True):
-                group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+            if base is not None:
+                for group, lr in zip(opt.param_groups, base, strict=True):
+                    group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
         self.controller.count_step(self.loader.batch_size)
 
     def _on_boundary(self) -> None:
@@ -358,6 +372,8 @@ class _TorchHooks:
         pass  # _optimizer_step reads the controller's factor
 
     def grad_stats(self) -> GradNoise | None:
+        """At a decision (a scheduled point, every rank at the same step)."""
+        self.t.hooks.sync_point()
         return self.t.hooks.monitor.stats()
 
     def capture(self, controller_state: dict[str, Any]) -> None:

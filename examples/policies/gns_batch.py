@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     job = start(args.seed)
     train_set, val_set = datasets(args.seed)
-    model = make_model(args.hidden)
+    device = job.device  # this worker's GPU, or the CPU
+    model = make_model(args.hidden).to(device)
     if args.fixed == "large":
         batch = max_batch = args.max_batch_size
         lr = (args.large_lr if args.large_lr is not None
@@ -150,10 +151,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reached, acc, epochs, sizes = None, 0.0, 0, [loader.batch_size]
     for epoch in trainer.epochs(args.max_epochs):
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if t0 is None:
                 t0 = time.perf_counter()
             trainer.step(F.cross_entropy(trainer.model(x), y))
-        acc = accuracy(trainer.module, val_set)
+        acc = accuracy(trainer.module, val_set, device)
         if job.placement.world_size > 1:  # the replicas agree (identical weights anyway)
             acc = float(trainer.controller.ctx.allreduce(acc, "min"))
         elapsed = time.perf_counter() - (t0 or time.perf_counter())

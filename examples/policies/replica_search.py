@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     emit = emitter(args.out, lambda: job.placement.rank == 0)  # (rank 0 may change)
 
     train_set, val_set = datasets()
-    model = make_model(args.hidden)
+    device = job.device  # this worker's GPU, or the CPU
+    model = make_model(args.hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = pollux.AdaptiveDataLoader(train_set, batch_size=args.batch_size,
                                        local_bsz_bounds=(1, args.batch_size))
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_last, replica_s, worlds = 0.0, 0.0, []
     for _ in trainer.epochs(args.epochs):
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if not trainer.step(F.cross_entropy(trainer.model(x), y)):
                 continue
             if args.step_delay:
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 worlds.append(world)
             emit({"event": "step", "step": trainer.steps, "t": now, "world": world,
                   "charged": charged})
-    acc = accuracy(trainer.module, val_set)
+    acc = accuracy(trainer.module, val_set, device)
     result = {"event": "result", "mode": "static" if args.static else "search",
               "wall_s": t_last - (t0 or t_last), "replica_s": replica_s,
               "steps": trainer.steps, "worlds": worlds, "final_world": job.placement.world_size,

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     emit = emitter(args.out)
 
     train_set, _ = datasets()
-    model = make_model(args.hidden)
+    device = job.device  # this worker's GPU, or the CPU
+    model = make_model(args.hidden).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = pollux.AdaptiveDataLoader(train_set, batch_size=args.batch_size,
                                        local_bsz_bounds=(1, args.batch_size))
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.time()
     for _ in trainer.epochs(1e6):
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             trainer.step(F.cross_entropy(trainer.model(x), y))
             if trainer.steps >= args.steps:
                 break  # every rank at the same step

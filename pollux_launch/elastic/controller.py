@@ -20,7 +20,12 @@ step: it counts the step and its statistical progress (Pollux Sec. 3.1), then
    worker not in it leaves with exit status 0), ``hooks.rebuild`` on the new one
    (newcomers receive the state, this controller's included), a forced decision;
 4. every ``decide_every`` steps, or when the group's size changed underneath (a Horovod
-   reset that only removed workers): a decision.
+   reset that only removed workers): a decision. With a ``decision_budget`` (what a
+   job gets when it leaves ``decide_every`` unset) ``decide_every`` is the least number
+   of steps between decisions: rank 0 times its decisions and spaces them so that they
+   cost at most that fraction of the training time between them (a host-bound step of a
+   few hundred microseconds would otherwise spend several percent deciding), and
+   broadcasts the next one's step with each decision.
 
 Adaptation policies (:mod:`.adaptation`, KungFu's APs; by default only Pollux's
 ``GoodputPolicy``) run on every rank: ``after_step`` at every boundary before 3-4,
@@ -58,6 +63,7 @@ import torch
 
 from pollux_launch import env as envvars
 from pollux_launch.tuning.gns import GradNoise
+from pollux_launch.tuning.sync_points import SyncPoints
 from pollux_launch.tuning.tuner import GoodputTuner
 
 from .adaptation import AdaptationPolicy, GoodputPolicy, PolicyContext, fit_total, resolve_batch
@@ -70,6 +76,9 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 VOTE_PERIOD_S = 0.05  # vote about every 50 ms of training: cheap, rescales start promptly
+DEFAULT_DECIDE_EVERY = 20  # steps between decisions (at least, with a budget)
+DECISION_BUDGET = 0.005  # decisions may cost this fraction of training time (default)
+DECISION_MAX_S = 5.0  # ...but come at least this often (seconds of training)
 
 
 class LeaveJob(SystemExit):
@@ -99,23 +108,25 @@ class Decision:
     stop: bool = False
     replicas: tuple[int, int] | None = None
     lr_fixed: bool = False
+    decide_in: int = 1  # steps until the next decision (with a decision budget)
 
-    SIZE = 9
+    SIZE = 10
 
     def to_tensor(self) -> torch.Tensor:
         lo, hi = self.replicas or (0, 0)
         return torch.tensor([self.local_bsz, self.accum_steps, self.check_every,
                              self.lr_factor, float(self.checkpoint), float(self.stop), lo, hi,
-                             float(self.lr_fixed)], dtype=torch.float64)
+                             float(self.lr_fixed), self.decide_in], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> Decision:
-        m, s, check, factor, ckpt, stop, lo, hi, fixed = (float(v) for v in t.cpu().tolist())
+        m, s, check, factor, ckpt, stop, lo, hi, fixed, later = (
+            float(v) for v in t.cpu().tolist())
         if not (m >= 1 and s >= 0 and check >= 1 and math.isfinite(factor) and factor > 0
-                and lo >= 0 and hi >= 0 and (hi == 0 or hi >= lo)):
+                and lo >= 0 and hi >= 0 and (hi == 0 or hi >= lo) and later >= 1):
             raise ValueError(f"malformed decision from rank 0: {t.tolist()}")
         return cls(int(m), int(s), int(check), factor, ckpt > 0, stop > 0,
-                   (int(lo), int(hi)) if lo > 0 else None, fixed > 0)
+                   (int(lo), int(hi)) if lo > 0 else None, fixed > 0, int(later))
 
 
 def recent_pause(rescales: list[dict[str, Any]], last: int = 5) -> float | None:
@@ -132,19 +143,31 @@ class ElasticController:
     ``loader``: a pollux ``AdaptiveDataLoader`` (its position travels with the state and
     its batch follows decisions), or None; ``adapt_lr``: False keeps the LR factor at 1
     (unless a policy sets one); ``policies``: the adaptation policies in order (None:
-    ``[GoodputPolicy()]``, Pollux's agent).
+    ``[GoodputPolicy()]``, Pollux's agent); ``decision_budget``: space decisions by
+    their cost (module docstring, 4), None: exactly every ``decide_every`` steps;
+    ``sync_points``: the count of scheduled points to add to (an adapter's own, whose
+    resets read values too), else a new one.
     """
 
     def __init__(self, hooks: FrameworkHooks, tuner: GoodputTuner, group: Collectives, *,
                  membership: Membership | None = None, reporter: HintsReporter | None = None,
-                 loader: Any = None, decide_every: int = 20, adapt_lr: bool = True,
+                 loader: Any = None, decide_every: int = DEFAULT_DECIDE_EVERY,
+                 adapt_lr: bool = True,
                  checkpoints: CheckpointWriter | None = None,
-                 policies: Sequence[AdaptationPolicy] | None = None) -> None:
+                 policies: Sequence[AdaptationPolicy] | None = None,
+                 decision_budget: float | None = None,
+                 sync_points: SyncPoints | None = None) -> None:
         if decide_every < 1:
             raise ValueError(f"decide_every must be >= 1, got {decide_every}")
+        if decision_budget is not None and not 0 < decision_budget < 1:
+            raise ValueError(f"decision_budget must be in (0, 1), got {decision_budget}")
         self.hooks, self.tuner, self.group = hooks, tuner, group
         self.membership, self.reporter, self.loader = membership, reporter, loader
         self.decide_every, self.check_every = decide_every, 1
+        self.decision_budget = decision_budget
+        self._decide_at = decide_every  # the step of the next decision (with a budget)
+        self._decision_cost: float | None = None  # rank 0's, smoothed (seconds)
+        self._decisions_timed = 0
         self.adapt_lr = adapt_lr
         self.checkpoints = checkpoints
         self.steps = 0  # optimiser steps of the job (travels with the state)
@@ -166,6 +189,9 @@ class ElasticController:
         self.throughput: float | None = None  # samples/s of the job, smoothed
         self._lr_fixed = False
         self._t_boundary: float | None = None
+        # where the steps may wait for the device, counted (shared with an adapter's own)
+        self.sync_points = sync_points if sync_points is not None else SyncPoints()
+        self._mean_step: float | None = None  # smoothed step time (the vote interval's)
         if checkpoints is not None:
             self._catch_sigterm()
 
@@ -241,8 +267,9 @@ class ElasticController:
 
     def _epoch_hooks(self, hook: str) -> None:
         try:
-            self._run_policies(hook)
-            self.decide(force=False)
+            with self.sync_points.scheduled(hook):
+                self._run_policies(hook)
+                self.decide(force=False)
         except RuntimeError as exc:  # a peer died: the job re-formed; the decision was in it
             if not self.recover(exc, in_flight=False):
                 raise
@@ -251,13 +278,14 @@ class ElasticController:
     def start(self, fresh: bool, sync: bool) -> None:
         """The first round of this process: ``fresh`` - no member carries state (resume
         from a checkpoint if there is one); ``sync`` - newcomers must receive state."""
-        resumed = self._resume() if fresh else None
-        captured = None
-        if resumed is not None:
-            captured, state = resumed
-            self.load_state_dict(state)
-        self._rebuild(captured, from_rank0=resumed is not None or sync)
-        self.enter_round()
+        with self.sync_points.scheduled("start"):
+            resumed = self._resume() if fresh else None
+            captured = None
+            if resumed is not None:
+                captured, state = resumed
+                self.load_state_dict(state)
+            self._rebuild(captured, from_rank0=resumed is not None or sync)
+            self.enter_round()
 
     def enter_round(self) -> None:
         """After a new group formed (or Horovod's sync): follow it, decide for it."""
@@ -299,20 +327,32 @@ class ElasticController:
             self._report(force=True)
 
     def boundary(self) -> None:
-        """The step boundary proper (module docstring, 1-4): every rank, same step."""
+        """The step boundary proper (module docstring, 1-4): every rank, same step. A
+        step with nothing due costs a few attribute reads and the policies' after_step;
+        the rest runs at scheduled points (``tuning.sync_points``)."""
         if self._terminating:
-            self._terminate()
+            with self.sync_points.scheduled("terminate"):
+                self._terminate()
         self._time_step()
         try:
-            self.ctx.decision_due = self.steps % self.decide_every == 0
-            self._run_policies("after_step")
-            if (self.elastic and self.steps % self.check_every == 0
-                    and self.membership.rescale_due()):  # type: ignore[union-attr]
-                self.rescale()
-            elif self.group.world_size != self._decided_size:
-                self.enter_round()  # resized underneath (Horovod): a new group all the same
-            elif self.steps % self.decide_every == 0:
-                self.decide(force=False)
+            due = (self.steps % self.decide_every == 0 if self.decision_budget is None
+                   else self.steps >= self._decide_at)
+            vote = self.elastic and self.steps % self.check_every == 0
+            self.ctx.decision_due = due
+            if not (due or vote or self.group.world_size != self._decided_size):
+                self._run_policies("after_step")
+                return
+            with self.sync_points.scheduled("decision" if due else "vote" if vote
+                                            else "resize"):
+                t0 = time.perf_counter()
+                self._run_policies("after_step")
+                if vote and self.membership.rescale_due():  # type: ignore[union-attr]
+                    self.rescale()
+                elif self.group.world_size != self._decided_size:
+                    self.enter_round()  # resized underneath (Horovod): a new group anyway
+                elif due:
+                    self.decide(force=False)
+                    self._time_decision(time.perf_counter() - t0)
         except RuntimeError as exc:
             # the step before this boundary completed everywhere: nothing is in flight
             if not self.recover(exc, in_flight=False):
@@ -321,7 +361,9 @@ class ElasticController:
     def _time_step(self) -> None:
         now = time.perf_counter()
         if self._t_boundary is not None and now > self._t_boundary:
-            self.step_time = now - self._t_boundary
+            self.step_time = step = now - self._t_boundary
+            mean = self._mean_step
+            self._mean_step = step if mean is None else 0.9 * mean + 0.1 * step
             m, s = self.hooks.batch()
             rate = self.group.world_size * m * (s + 1) / self.step_time
             self.throughput = rate if self.throughput is None else (
@@ -353,6 +395,10 @@ class ElasticController:
         no peer's failure (the caller re-raises)."""
         if not is_peer_failure(exc):
             return False
+        with self.sync_points.scheduled("failure"):
+            return self._recover(exc, in_flight)
+
+    def _recover(self, exc: BaseException, in_flight: bool) -> bool:
         if self._terminating:  # peers ended by the same SIGTERM: only our own end is left
             self._terminate()
         if not self.elastic:
@@ -416,7 +462,7 @@ class ElasticController:
                 wanted = None  # request_range(1): no request
             due = (not force and self.checkpoints is not None and self.checkpoints.due())
             t = Decision(m2, s2, self._check_interval(), factor, due, actions.stop, wanted,
-                         fixed).to_tensor()
+                         fixed, self._decide_interval()).to_tensor()
         if g.world_size > 1:
             t = g.broadcast(t, "pollux.decision")
         d = Decision.from_tensor(t)
@@ -438,6 +484,7 @@ class ElasticController:
 
     def _apply(self, d: Decision, force: bool, current: tuple[int, int]) -> None:
         self.check_every = min(self.decide_every, d.check_every)
+        self._decide_at = self.steps + d.decide_in
         self._decided_size = self.group.world_size
         self.lr_factor, self._lr_fixed = d.lr_factor, d.lr_fixed
         self.hooks.set_lr_factor(d.lr_factor)
@@ -458,11 +505,30 @@ class ElasticController:
             if self.loader is not None:
                 self.loader.stop()
 
+    def _time_decision(self, cost: float) -> None:
+        """Rank 0's estimate of a decision's cost: falling at once, rising slowly - a
+        decision that refits the throughput model (tens of ms, every ``fit_interval``
+        seconds) or warms up is amortised otherwise, and must not space out the rest."""
+        last = self._decision_cost
+        self._decision_cost = cost if last is None else min(cost, 0.9 * last + 0.1 * cost)
+        self._decisions_timed += 1
+
+    def _decide_interval(self) -> int:
+        """Rank 0: steps until the next decision - ``decide_every``, or more where a
+        decision would cost more than ``decision_budget`` of the steps in between (at
+        most ``DECISION_MAX_S`` of training)."""
+        every, cost, step = self.decide_every, self._decision_cost, self._mean_step
+        if (self.decision_budget is None or cost is None or step is None
+                or self._decisions_timed < 3):  # (the first ones fit and warm up)
+            return every
+        step = max(step, 1e-7)
+        want = math.ceil(cost / (self.decision_budget * step))
+        return int(max(every, min(want, DECISION_MAX_S / step)))
+
     def _check_interval(self) -> int:
-        times = self.tuner.profile.arrays()["step_time"]
-        if not len(times):
+        if self._mean_step is None:
             return 1
-        step = max(float(times.mean()), 1e-6)
+        step = max(self._mean_step, 1e-6)
         return int(min(self.decide_every, max(1, round(VOTE_PERIOD_S / step))))
 
     def _report(self, force: bool, batch: tuple[int, int] | None = None) -> None:
@@ -481,9 +547,10 @@ class ElasticController:
         be a collective), rank 0 writes (``wait``: before returning)."""
         if self.checkpoints is None:
             raise ValueError("no checkpoint directory")
-        if wait and self.group.rank == 0:
-            self.checkpoints.flush()
-        self._checkpoint(collective=True, wait=wait)
+        with self.sync_points.scheduled("checkpoint"):
+            if wait and self.group.rank == 0:
+                self.checkpoints.flush()
+            self._checkpoint(collective=True, wait=wait)
 
     def _checkpoint(self, collective: bool, wait: bool = False) -> None:
         assert self.checkpoints is not None

@@ -32,11 +32,12 @@ from typing import Any
 from pollux_launch import env as envvars
 from pollux_launch.tuning.profile import StepProfile
 from pollux_launch.tuning.progress import StatisticalProgress
+from pollux_launch.tuning.sync_points import SyncPoints
 from pollux_launch.tuning.tuner import GoodputTuner, TunerConfig, batch_range
 
 from .adaptation import AdaptationPolicy, resolve_policies
 from .checkpoint import CheckpointWriter
-from .controller import ElasticController
+from .controller import DECISION_BUDGET, DEFAULT_DECIDE_EVERY, ElasticController
 from .hints import HintsReporter
 from .protocols import Collectives, FrameworkHooks, Membership
 
@@ -75,7 +76,9 @@ class JobDescription:
     Batch limits (``init_batch_size`` M0, ``max_batch_size``, ``min_batch_size``: the
     script's range, which the environment's flags narrow; ``local_bsz_bounds``: per-GPU
     micro-batch bounds; ``gradient_accumulation``); ``lr_scaling``: the LR rule (a name
-    or a callable); ``report_interval``, ``min_gain``, ``decide_every``; ``adapt_lr``:
+    or a callable); ``report_interval``, ``min_gain``, ``decide_every`` (None: at least
+    every ``DEFAULT_DECIDE_EVERY`` steps, spaced by the decisions' cost - see
+    ``ElasticController``; a number: exactly that); ``adapt_lr``:
     False keeps the LR factor at 1; ``dataset_size``: samples in an epoch, for
     statistical epochs (None: unknown); ``policies``: the script's adaptation policies
     (None: the command line's, else Pollux's); ``identity``: whose hints these are, an
@@ -94,7 +97,7 @@ class JobDescription:
     lr_scaling: str | Callable[[float, Any], float] = "adascale"
     report_interval: float = 30.0
     min_gain: float = 0.05
-    decide_every: int = 20
+    decide_every: int | None = None
     adapt_lr: bool = True
     dataset_size: int | None = None
     policies: Sequence[AdaptationPolicy] | None = None
@@ -140,6 +143,7 @@ def build_controller(
     loader: Any = None,
     checkpoints: CheckpointWriter | None = None,
     policies: Sequence[AdaptationPolicy] | None = None,
+    sync_points: SyncPoints | None = None,
 ) -> ElasticController:
     """The controller of ``job``'s worker side (module docstring): its ``tuner``,
     ``reporter`` and ``policies`` built here, the tuner measuring ``profile``.
@@ -163,6 +167,8 @@ def build_controller(
     chosen = job_policies(job.policies, job.env) if policies is None else list(policies)
     controller = ElasticController(
         hooks, tuner, group, membership=membership, reporter=reporter, loader=loader,
-        decide_every=job.decide_every, adapt_lr=job.adapt_lr, checkpoints=checkpoints,
+        decide_every=job.decide_every or DEFAULT_DECIDE_EVERY,
+        decision_budget=DECISION_BUDGET if job.decide_every is None else None,
+        adapt_lr=job.adapt_lr, checkpoints=checkpoints, sync_points=sync_points,
         policies=chosen)
     return controller

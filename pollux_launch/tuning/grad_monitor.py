@@ -22,7 +22,11 @@ the cost stays within ``overhead_budget`` of the step time (at most ``max_interv
 EMA decay of a measured step accounts for the steps in between, so the averaging window
 in training progress is unchanged. The cost ratio rides along in the scalar all-reduce
 and ``interval`` changes only at a fixed count of measured steps, so every replica keeps
-the same schedule (their all-reduces must match) without extra communication.
+the same schedule (their all-reduces must match) without extra communication. With
+``scheduled=True`` (``ElasticTrainer``'s) it changes, and the pending rows are read back,
+only in :meth:`GradientNoiseMonitor.sync_point`, which the owner calls at points every
+replica reaches at the same step (its decisions): the steps in between never wait for
+the device (``tuning.sync_points``).
 
 Conventions: the averaged gradient after the step is ``(1/K) * sum`` over replicas and
 ``sum`` over the ``s + 1`` micro-batches (DDP semantics with the loss *not* divided by the
@@ -92,6 +96,7 @@ class GradientNoiseMonitor:
         flush_every: int = 32,
         clock: Callable[[], float] = time.perf_counter,
         sharded: bool = False,
+        scheduled: bool = False,
     ) -> None:
         if refresh_every < 1 or flush_every < 1 or max_interval < 1:
             raise ValueError("refresh_every, flush_every and max_interval must be >= 1")
@@ -111,6 +116,9 @@ class GradientNoiseMonitor:
         # sharded (FSDP2): each replica holds a shard of the averaged gradient, whose
         # squared norm is then the sum over replicas (one more scalar all-reduce)
         self.sharded = sharded
+        # scheduled: the owner calls sync_point() at its scheduled points, the only
+        # places that read device values; otherwise every flush_every measured steps
+        self.scheduled = scheduled
         self.grad_scaler = grad_scaler
         self.overhead_budget = overhead_budget
         self.max_interval = max_interval
@@ -227,60 +235,84 @@ class GradientNoiseMonitor:
         if self._parts:
             local = torch.stack([p.double() for p in self._parts]).sum()
         else:
-            local = torch.zeros((), dtype=torch.float64)
+            local = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         self._parts = []
         # [local squared norms, measurement cost ratio]: the ratio is averaged over
         # replicas for free, so all of them pick the same measurement interval.
-        buf = torch.stack([local, torch.tensor(self._cost_ratio, dtype=torch.float64).to(local)])
+        # (torch.full: a fill on the device, where copying a host scalar would wait)
+        buf = torch.stack([local, torch.full((), self._cost_ratio, dtype=torch.float64,
+                                             device=local.device)])
         if self.num_replicas > 1 and self.reduce_local:
             self._work = dist.all_reduce(buf, group=self.process_group, async_op=True)
         self._local = buf
         self._cost += self._clock() - t0
 
-    @torch.no_grad()
     def finish_step(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """The gradients (``grads`` aligned with ``params``; default ``p.grad``) are now
         averaged across replicas and micro-batches: record this step's statistics.
-        Call on every synchronising step, measured or not."""
+        Call on every synchronising step, measured or not (an unmeasured one costs a few
+        attribute updates: no tensor is touched)."""
+        if not self.measuring:
+            self._step += 1
+            self._last_finish = self._clock()
+            self._reset_step()
+            return
         t0 = self._clock()
         try:
-            if self.measuring:
-                if grads is None:
-                    grads = [p.grad for p in self.params]
-                    if self.sharded:  # FSDP2's gradients are DTensors: their local shards
-                        grads = [g if g is None else g._local_tensor for g in grads]
-                idx = [i for i, g in enumerate(grads) if g is not None]
-                present = [grads[i] for i in idx]  # type: ignore[misc]
-                if present:
-                    amp = self._amp_scale()
-                    if self.differenced:
-                        self._finish_differenced(present, idx, amp)
-                    else:
-                        self._finish_sampled(present, idx, amp)
+            with torch.no_grad():
+                self._measure(grads)
         finally:
             self._end_step(t0)
 
+    def _measure(self, grads: Sequence[torch.Tensor | None] | None) -> None:
+        if grads is None:
+            grads = [p.grad for p in self.params]
+            if self.sharded:  # FSDP2's gradients are DTensors: their local shards
+                grads = [g if g is None else g._local_tensor for g in grads]
+        idx = [i for i, g in enumerate(grads) if g is not None]
+        present = [grads[i] for i in idx]  # type: ignore[misc]
+        if present:
+            amp = self._amp_scale()
+            if self.differenced:
+                self._finish_differenced(present, idx, amp)
+            else:
+                self._finish_sampled(present, idx, amp)
+
     def _end_step(self, t0: float) -> None:
-        was_measuring = self.measuring
+        """After a measured step: its cost ratio, the schedule (module docstring)."""
         now = self._clock()
-        if was_measuring and self._last_finish is not None:
+        if self._last_finish is not None:
             step_time = now - self._last_finish
             if step_time > 0:  # smoothed: one slow step should not swing the interval
                 ratio = (self._cost + now - t0) / step_time
                 self._cost_ratio = (
                     ratio if not self._cost_ratio else (0.5 * self._cost_ratio + 0.5 * ratio)
                 )
-        self._last_finish = self._clock()
+        self._last_finish = now
         self._step += 1
-        if was_measuring:
-            self._measured += 1
-            if self._measured % self._refresh_every == 0:
-                # For the next step: its local norms must use the same 1/P as its total.
-                self._inv = self.preconditioner.inverse(self.params)
+        self._measured += 1
+        if not self.scheduled and self._measured % self._refresh_every == 0:
+            # For the next step: its local norms must use the same 1/P as its total.
+            self._inv = self.preconditioner.inverse(self.params)
+        if not self.scheduled:
             if self._measured % self._flush_every == 0 or self._measured == _FIRST_ADAPT:
                 self._update_interval()  # at the same measured step on every replica
                 self.flush()
+        elif len(self._pending) >= 4 * self._flush_every:
+            self.flush()  # (no sync point came for long: the rows stay bounded)
         self._reset_step()
+
+    def sync_point(self) -> None:
+        """At a scheduled point that every replica reaches at the same step (a decision:
+        ``tuning.sync_points``): fold the pending rows into the estimator and adapt the
+        measurement interval, refresh the preconditioner (Adam's step count may live on
+        the device) - the things that read device values. Between steps: a step's local
+        norms and its total use the same 1/P."""
+        if self._measured >= _FIRST_ADAPT:
+            self._update_interval()
+            self._reset_step()  # (whether the next step is measured follows the interval)
+        self.flush()
+        self._inv = self.preconditioner.inverse(self.params)
 
     def restart_clock(self) -> None:
         """Forget the last step's end time (after a pause in training or in measuring),

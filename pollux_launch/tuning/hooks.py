@@ -1,4 +1,4 @@
-"""Autograd hooks that drive the measurements for torch (DDP or a single process).
+"""Autograd hooks that drive the measurements for torch (DDP, FSDP2 or a single process).
 
 :func:`attach_measurement` registers one tensor hook per parameter (it sees each
 micro-batch's *local* gradient, before DDP averages it) and two end-of-backward callbacks:
@@ -12,6 +12,14 @@ micro-batch's *local* gradient, before DDP averages it) and two end-of-backward 
 Step time is measured between consecutive synchronising steps' completions (it covers
 data loading, forward, backward, synchronisation and the previous optimiser update);
 the sync time is the exposed wait between the two callbacks.
+
+Driven (``driven=True``, what ``ElasticTrainer`` uses): the owner of the training step
+calls :meth:`MeasurementHooks.micro_step_done` after every backward pass, and the
+per-parameter hooks are registered only for the optimiser steps whose local gradients
+the monitor samples (every ``interval``-th step, issue 31): a step it does not sample
+costs no Python call per parameter, only that one call. At several replicas the sync
+time is then measured on the sampled steps only (a new configuration samples every step
+until the next decision: each has its sync time); step time on every step.
 """
 
 from __future__ import annotations
@@ -38,11 +46,16 @@ class MeasurementHooks:
         monitor: GradientNoiseMonitor | None,
         profile: StepProfile | None,
         clock: Callable[[], float],
+        driven: bool = False,
     ) -> None:
         self.model = model
         self.monitor = monitor
         self.profile = profile
         self._clock = clock
+        self.driven = driven
+        self._attached = True  # (remove() detaches for good, until reattach())
+        self._armed = False  # driven: the per-parameter hooks are on for this step
+        self._replicas = 1
         self._queued = False
         self._accumulating = False
         self._t_local_done = 0.0
@@ -57,13 +70,36 @@ class MeasurementHooks:
 
     def reattach(self) -> None:
         """Register the hooks again after :meth:`remove`, keeping all measured state."""
-        if self._handles:
-            return
-        for i, p in enumerate(self._params):
-            self._handles.append(p.register_hook(functools.partial(self._on_grad, i)))
+        self._attached = True
+        if not self.driven:
+            self._register()
+        self._arm()
         self._t_last_step = None
         if self.monitor is not None:
             self.monitor.restart_clock()
+
+    def _register(self) -> None:
+        if not self._handles:
+            for i, p in enumerate(self._params):
+                self._handles.append(p.register_hook(functools.partial(self._on_grad, i)))
+
+    def _unregister(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _arm(self) -> None:
+        """Driven: per-parameter hooks on for the next optimiser step if the monitor
+        samples its local gradients (or nothing else would time its sync), off if not;
+        registering costs one call per parameter, only when the schedule changes."""
+        if not self.driven:
+            return
+        mon = self.monitor
+        want = self._attached and not getattr(mon, "sharded", False) and (
+            mon._local_active if mon is not None else self._replicas > 1)
+        if want != self._armed:
+            (self._register if want else self._unregister)()
+            self._armed = want
 
     def configure(
         self,
@@ -87,6 +123,8 @@ class MeasurementHooks:
         if self.profile is not None:
             self.profile.set_key(ProfileKey(num_nodes, num_replicas, local_bsz, accum_steps))
         self._t_last_step = None
+        self._replicas = num_replicas
+        self._arm()
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -98,25 +136,41 @@ class MeasurementHooks:
         finally:
             self._accumulating = False
 
+    def sync_point(self) -> None:
+        """At a scheduled point (every replica at the same step boundary): the monitor's
+        (``GradientNoiseMonitor.sync_point``), then the hooks armed for the next step as
+        the interval it may have changed says."""
+        if self.monitor is not None:
+            self.monitor.sync_point()
+        self._arm()
+
     def remove(self) -> None:
         """Detach every hook (the monitor and profile keep their state)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._attached = self._armed = False
+        self._unregister()
 
-    def micro_step_done(self, sync: bool, comm_s: float = 0.0) -> None:
-        """A backward pass ended, for a model whose parameters no hook sees (FSDP2
-        computes with unsharded copies; its gradients are reduced inside backward):
-        what the two callbacks do, with ``sync`` on a step's last micro-batch, and
-        ``comm_s`` the step's time in collectives (the profile's sync time)."""
+    def micro_step_done(self, sync: bool, comm_s: float | None = None) -> None:
+        """Driven: a backward pass ended (``sync``: the optimiser step's last one, its
+        gradients averaged). On a step the armed hooks measured, they did the work;
+        otherwise what the two callbacks do - with ``comm_s`` the step's time in
+        collectives where the owner timed them (FSDP2's); at several replicas without it
+        the sync time is left unmeasured. Then arms the hooks for the next step."""
+        if self._armed:
+            if sync:
+                self._arm()
+            return
         if self.monitor is not None:
             self.monitor.end_micro_step()
         if not sync:
             return
         if self.monitor is not None:
             self.monitor.reduce_local_async()
-        self._t_local_done = self._clock() - comm_s
-        self._after_sync()
+        if comm_s is None and self._replicas > 1:
+            self._after_sync(sync_s=None)  # (measured on the sampled steps only)
+        else:  # as the callbacks time it: from the local gradients to the step's end
+            self._t_local_done = self._clock() - (comm_s or 0.0)
+            self._after_sync()
+        self._arm()
 
     # Autograd-engine callbacks; they must not raise into the engine on user error paths.
     def _on_grad(self, index: int, grad: torch.Tensor) -> None:
@@ -137,13 +191,17 @@ class MeasurementHooks:
         self._t_local_done = self._clock()
         Variable._execution_engine.queue_callback(self._after_sync)
 
-    def _after_sync(self) -> None:
+    def _after_sync(self, sync_s: float | bool | None = True) -> None:
+        """The step's gradients are averaged: finish the monitor's step, record the step
+        time and its sync time (``True``: since the local backward ended; else as given,
+        None for unmeasured)."""
         if self.monitor is not None:
             self.monitor.finish_step()
         now = self._clock()
         if self.profile is not None and self.profile.key is not None:
             if self._t_last_step is not None:
-                self.profile.record(now - self._t_last_step, now - self._t_local_done)
+                sync = now - self._t_local_done if sync_s is True else sync_s
+                self.profile.record(now - self._t_last_step, sync)
         self._t_last_step = now
 
 
@@ -165,6 +223,7 @@ def attach_measurement(
     timing: bool = True,
     warmup_steps: int = 3,
     clock: Callable[[], float] = time.perf_counter,
+    driven: bool = False,
 ) -> MeasurementHooks:
     """Attach gradient-noise and step-time measurement to ``model`` (a DDP module or a
     plain module); returns the handle with ``.monitor``, ``.profile`` and ``.remove()``.
@@ -173,7 +232,9 @@ def attach_measurement(
     (it then measures only every few steps); None measures every step. ``sharded``: an
     FSDP2 model, whose adapter feeds the local gradients (``add_local``, from its
     reduce-scatter) and calls :meth:`MeasurementHooks.micro_step_done` after each backward
-    (its parameters are not in the autograd graph: no hook fires).
+    (its parameters are not in the autograd graph: no hook fires). ``driven``: the
+    caller calls ``micro_step_done`` after every backward, and the per-parameter hooks
+    are on only for the steps the monitor samples (module docstring).
     """
     monitor = (
         GradientNoiseMonitor(
@@ -183,12 +244,13 @@ def attach_measurement(
             grad_scaler=grad_scaler,
             overhead_budget=overhead_budget,
             sharded=sharded,
+            scheduled=driven or sharded,
         )
         if gns
         else None
     )
     profile = StepProfile(warmup_steps) if timing else None
-    hooks = MeasurementHooks(model, monitor, profile, clock)
+    hooks = MeasurementHooks(model, monitor, profile, clock, driven=driven or sharded)
     hooks.configure(
         num_nodes=num_nodes,
         num_replicas=num_replicas,

@@ -63,6 +63,7 @@ class StepProfile:
         self.warmup_steps = warmup_steps
         self._totals: dict[ProfileKey, _Totals] = {}
         self._key: ProfileKey | None = None
+        self._current: _Totals | None = None  # the totals of _key, once it has any
         self._since_change = 0
         # the newest step's (step_time, sync_time), warm-up included: what adaptation
         # policies read (pollux_launch.elastic.adaptation)
@@ -75,7 +76,7 @@ class StepProfile:
     def set_key(self, key: ProfileKey) -> None:
         """The configuration the next steps run under; a change restarts the warm-up."""
         if key != self._key:
-            self._key = key
+            self._key, self._current = key, None
             self._since_change = 0
 
     def record(self, step_time: float, sync_time: float | None = None) -> bool:
@@ -88,7 +89,9 @@ class StepProfile:
             return False
         if not (math.isfinite(step_time) and step_time > 0.0):
             return False
-        t = self._totals.setdefault(self._key, _Totals())
+        t = self._current
+        if t is None:  # (looked up once per key, not per step: a dataclass hashes slowly)
+            t = self._current = self._totals.setdefault(self._key, _Totals())
         t.count += 1
         t.step_time += step_time
         if sync_time is not None and math.isfinite(sync_time) and sync_time >= 0.0:
@@ -165,4 +168,4 @@ class StepProfile:
             self.warmup_steps = int(state["warmup_steps"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"StepProfile state is malformed: {exc}") from None
-        self._totals = totals
+        self._totals, self._current = totals, None

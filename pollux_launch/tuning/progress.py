@@ -41,12 +41,20 @@ class StatisticalProgress:
         self.iterations = 0.0  # in M0-sized steps
         self.steps = 0  # real optimiser steps
         self.samples = 0  # real samples processed
+        # the last step's (statistics, batch size, gain): a gain changes only when the
+        # statistics (replaced at each decision) or the batch do - not computed per step
+        self._last: tuple[GradNoise | None, int, float] | None = None
 
     def step(self, batch_size: int, grad: GradNoise | None) -> float:
         """Account one optimiser step at total batch ``batch_size``; returns its gain."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size!r}")
-        gain = float(progress_gain(grad, batch_size))
+        last = self._last
+        if last is not None and last[0] is grad and last[1] == batch_size:
+            gain = last[2]
+        else:
+            gain = float(progress_gain(grad, batch_size))
+            self._last = (grad, batch_size, gain)
         self.iterations += gain
         self.steps += 1
         self.samples += batch_size
@@ -83,5 +91,6 @@ class StatisticalProgress:
             self.iterations = float(state["iterations"])
             self.steps = int(state["steps"])
             self.samples = int(state["samples"])
+            self._last = None
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"StatisticalProgress state is malformed: {exc}") from None

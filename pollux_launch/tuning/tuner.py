@@ -204,6 +204,8 @@ class GoodputTuner:
         best = (int(m[0]), int(s[0]))
         if best[0] < 1:  # nothing fits: stay where we are if we can
             return current if current else self.default_batch(num_replicas)
+        if best == current:  # (the steady state: nothing to compare)
+            return best
         if current and self._fits(current, num_replicas):
             now = fn.evaluate(nodes, reps, np.array([current[0]]), np.array([current[1]]))
             if float(goodput[0]) <= float(now[0]) * (1 + cfg.min_gain):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter
 
 import pytest
@@ -202,3 +203,57 @@ def test_bad_batch_size_changes():
         loader.set_batch_size(7)
     with pytest.raises(ValueError, match="accum_steps"):
         loader.set_batch_size(4, accum_steps=1)
+
+
+class _Counting(torch.utils.data.Dataset):
+    """A data set that fetches a list of indices in one call (``__getitems__``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.batch_calls, self.item_calls = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        self.item_calls += 1
+        return torch.tensor([float(i)]), i
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, int]]:
+        self.batch_calls += 1
+        return [(torch.tensor([float(i)]), i) for i in indices]
+
+
+def test_a_data_set_with_getitems_is_fetched_once_per_micro_batch():
+    data = _Counting(37)
+    loader = AdaptiveDataLoader(data, 4, max_batch_size=16, local_bsz_bounds=(2, 8))
+    loader.set_batch_size(3, accum_steps=1)
+    seen = [int(i) for _, idx in loader for i in idx]
+    assert sorted(seen) == list(range(37))  # exactly once, as before
+    assert data.batch_calls == 13 and data.item_calls == 0  # ceil(37 / 3) micro-batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_tensor_data_set_is_fetched_as_whole_batches(workers):
+    """A TensorDataset (and a Subset of one) is indexed once per tensor per micro-batch:
+    the same batches as sample-by-sample fetching and collation, with worker processes
+    and pin_memory (a no-op without a GPU) as DataLoader does."""
+    from pollux_launch.adapters.torch.data import TensorBatches
+
+    x = torch.arange(60.0).reshape(30, 2)
+    y = torch.arange(30)
+    for data in (TensorDataset(x, y), torch.utils.data.Subset(TensorDataset(x, y), range(3, 28))):
+        kw = {"num_workers": workers, "pin_memory": True} if workers else {}
+        fast = AdaptiveDataLoader(data, 4, max_batch_size=8, seed=3, **kw)
+        assert isinstance(fast._fetch_from, TensorBatches)
+        slow = AdaptiveDataLoader(data, 4, max_batch_size=8, seed=3,
+                                  collate_fn=torch.utils.data.default_collate)
+        assert not isinstance(slow._fetch_from, TensorBatches)  # the user's collate: as given
+        with warnings.catch_warnings():  # (pin_memory without a GPU says it does nothing)
+            warnings.simplefilter("ignore", UserWarning)
+            got = list(fast)
+        want = list(slow)
+        assert len(got) == len(want)
+        for (a, b), (c, d) in zip(got, want, strict=True):
+            assert torch.equal(a, c) and torch.equal(b, d)
+        assert sorted(int(v) for _, b in got for v in b) == sorted(
+            int(data[i][1]) for i in range(len(data)))

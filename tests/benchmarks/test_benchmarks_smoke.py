@@ -28,7 +28,7 @@ from hosts import netns_available  # noqa: E402  (tests/e2e/hosts.py)
 
 # scripts in benchmarks/ that are imported or started by the benchmarks, not benchmarks
 HELPERS = {"harness", "checkpoint_worker", "local_etcd", "sharded_worker", "startup_worker",
-           "startup_worker_hvd", "worker_events"}
+           "startup_worker_hvd", "step_overhead_frameworks", "worker_events"}
 # what a benchmark needs beyond the base install: "etcd", "netns", or a module to import
 NEEDS: dict[str, tuple[str, ...]] = {
     "adaptation_policies": ("sklearn",),

@@ -38,7 +38,7 @@ def ds_config(policies: list) -> dict:
     return {"zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
             "pollux": {"enabled": True, "initial_batch_size": 16, "max_batch_size": 128,
                        "micro_batch_size_range": [4, 32], "gradient_accumulation": True,
-                       "lr_scaling": "sqrt", "policies": policies}}
+                       "lr_scaling": "sqrt", "policies": policies, "decide_every": 20}}
 
 
 
