@@ -124,6 +124,7 @@ class GradientNoiseMonitor:
         self.max_interval = max_interval
         self.interval = 1  # measure every interval-th step (same on every replica)
         self._refresh_every = refresh_every
+        self._since_refresh = 0  # measured steps since 1/P was last refreshed (scheduled)
         self._flush_every = flush_every
         self._clock = clock
         # Cached 1/P, refreshed between steps every few measured steps (the optimiser's
@@ -291,6 +292,7 @@ class GradientNoiseMonitor:
         self._last_finish = now
         self._step += 1
         self._measured += 1
+        self._since_refresh += 1
         if not self.scheduled and self._measured % self._refresh_every == 0:
             # For the next step: its local norms must use the same 1/P as its total.
             self._inv = self.preconditioner.inverse(self.params)
@@ -312,7 +314,12 @@ class GradientNoiseMonitor:
             self._update_interval()
             self._reset_step()  # (whether the next step is measured follows the interval)
         self.flush()
-        self._inv = self.preconditioner.inverse(self.params)
+        # 1/P moves slowly: refreshed as often as unscheduled (every refresh_every
+        # measured steps), or as soon as it can be once it could not (Adam's first steps)
+        if self._since_refresh >= self._refresh_every or (
+                self._inv is None and self._since_refresh):
+            self._inv = self.preconditioner.inverse(self.params)
+            self._since_refresh = 0
 
     def restart_clock(self) -> None:
         """Forget the last step's end time (after a pause in training or in measuring),
