@@ -166,7 +166,7 @@ class MeasurementHooks:
         if self.monitor is not None:
             self.monitor.reduce_local_async()
         if comm_s is None and self._replicas > 1:
-            self._after_sync(sync_s=None)  # (measured on the sampled steps only)
+            self._after_sync(timed=False)  # (measured on the sampled steps only)
         else:  # as the callbacks time it: from the local gradients to the step's end
             self._t_local_done = self._clock() - (comm_s or 0.0)
             self._after_sync()
@@ -191,17 +191,16 @@ class MeasurementHooks:
         self._t_local_done = self._clock()
         Variable._execution_engine.queue_callback(self._after_sync)
 
-    def _after_sync(self, sync_s: float | bool | None = True) -> None:
+    def _after_sync(self, timed: bool = True) -> None:
         """The step's gradients are averaged: finish the monitor's step, record the step
-        time and its sync time (``True``: since the local backward ended; else as given,
-        None for unmeasured)."""
+        time and (``timed``) its sync time, since the local backward ended."""
         if self.monitor is not None:
             self.monitor.finish_step()
         now = self._clock()
         if self.profile is not None and self.profile.key is not None:
             if self._t_last_step is not None:
-                sync = now - self._t_local_done if sync_s is True else sync_s
-                self.profile.record(now - self._t_last_step, sync)
+                self.profile.record(now - self._t_last_step,
+                                    now - self._t_local_done if timed else None)
         self._t_last_step = now
 
 
