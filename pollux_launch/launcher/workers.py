@@ -273,9 +273,10 @@ class WorkerGroup:
         worker = Worker(index, worker_id, proc, tree, str(index) if label is None else label,
                         gpus=(gpu,) if gpu is not None else (), token=token)
         for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-            # each stream starts under the start label, made here: a pump thread that ran
-            # late would otherwise take the label another stream's marker already changed
-            stream = _Stream(name, worker.label, self._open_copy(worker, name))
+            # each stream starts under the start label, made here and not read from
+            # worker.label: stdout's pump, already running, may have switched that to the
+            # worker's announced rank before stderr's stream is made
+            stream = _Stream(name, worker.start_label, self._open_copy(worker, name))
             thread = threading.Thread(target=self._pump, args=(worker, stream, pipe),
                                       daemon=True)
             thread.start()

@@ -14,9 +14,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import types
 
 from pollux_launch import env as envvars
+from pollux_launch.launcher import workers
 from pollux_launch.launcher.logs import MAX_LINE
 from pollux_launch.launcher.workers import WorkerGroup
 from pollux_launch.output_marks import MARK, announce_rank, find_mark, mark_line
@@ -197,6 +200,32 @@ def test_a_late_pump_thread_keeps_its_streams_start_label(tmp_path, monkeypatch)
     group = WorkerGroup("late", [sys.executable, "-c", ANNOUNCER], {}, stdout=printed)
     group.start("w0", {}, label="0")
     assert [c for _, c in _run(group)] == [0]
+    err = [line for line in printed.getvalue().split("\n") if "<stderr>" in line]
+    assert err == ["[0]<stderr>:before err", "[1]<stderr>:after err"]
+
+
+def test_a_stream_made_after_the_first_marker_still_starts_under_the_start_label(
+        monkeypatch):
+    """stderr's stream is made after stdout's pump already runs: when stdout's marker is
+    read before then (a loaded machine: ~1 CI run in 20), the stderr lines printed before
+    the marker are still rank 0's."""
+
+    class StdoutFirst(threading.Thread):  # (the race, made certain)
+        def start(self):
+            super().start()
+            worker, stream = self._args[0], self._args[1]
+            deadline = time.monotonic() + 30
+            while stream.name == "stdout" and worker.mark_seq < 1:  # stdout's marker read
+                assert time.monotonic() < deadline, "no marker on stdout"
+                time.sleep(0.01)
+
+    monkeypatch.setattr(workers, "threading",
+                        types.SimpleNamespace(**{**vars(threading), "Thread": StdoutFirst}))
+    printed = io.StringIO()
+    group = WorkerGroup("made-late", [sys.executable, "-c", ANNOUNCER], {}, stdout=printed)
+    worker = group.start("w0", {}, label="0")
+    assert [c for _, c in _run(group)] == [0]
+    assert worker.label == "1"
     err = [line for line in printed.getvalue().split("\n") if "<stderr>" in line]
     assert err == ["[0]<stderr>:before err", "[1]<stderr>:after err"]
 
