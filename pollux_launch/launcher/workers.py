@@ -11,11 +11,14 @@ one folder: two workers whose ranks swap never write one file), with that same l
 where its rank changed.
 
 The pumps read each pipe in binary chunks of ``CHUNK`` bytes and split lines themselves
-(``\\r\\n`` and ``\\r`` read as ``\\n``, as a text pipe's universal newlines did; UTF-8,
-undecodable bytes replaced): a run without a newline is printed in pieces, each a line of
-its own that fits ``logs.MAX_LINE`` with its prefix (so a follower never cuts it again),
-cut between characters. A pump holds at most about ``MAX_LINE + CHUNK`` bytes, whatever a
-worker writes.
+(``\\r\\n`` read as ``\\n``; UTF-8, undecodable bytes replaced): a run without a newline
+is printed in pieces, each a line of its own that fits ``logs.MAX_LINE`` with its prefix
+(so a follower never cuts it again), cut between characters. A lone ``\\r`` (a progress
+bar redrawn in place, as tqdm does) is passed through as the terminal shows it: each
+redraw is printed prefixed and ended with ``\\r``, not as a line of its own, so a bar
+stays one line on the user's terminal and in the log (an empty redraw is dropped; each
+is printed when the next begins). A pump holds at most about ``MAX_LINE + CHUNK`` bytes,
+whatever a worker writes.
 
 A worker's end is classified by :func:`classify_exit`: exit 0 while its replica is still
 allocated means the training script finished; exit 0 after its replica was removed is a
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -112,53 +116,71 @@ class _Stream:
 
 
 class _Lines:
-    """One stream's bytes in, its lines out: ``(text, newline, mark)`` - the text of a line
-    (decoded, without its newline) and whether it had one; or, for a line that is this
-    worker's rank marker (``token``), ``mark`` = (seq, rank) and as text what the line
-    held before it (printed without a newline: "" if nothing). ``\\r\\n`` and ``\\r`` end
-    a line as ``\\n`` does; a run without any is cut into pieces of at most ``limit``
-    bytes, never through a UTF-8 character nor through what may be a marker, so that at
-    most ``limit + CHUNK`` bytes are ever held."""
+    """One stream's bytes in, its lines out: ``(text, end, mark)`` - the text of a line
+    (decoded, without its end) and how it ended: ``"\\n"``, ``"\\r"`` (a redraw in place:
+    a lone carriage return) or ``""`` (a piece of a longer run, or the stream's end); or,
+    for a line that is this worker's rank marker (``token``), ``mark`` = (seq, rank) and
+    as text what the line held before it (printed without a newline: "" if nothing).
+    ``\\r\\n`` ends a line as ``\\n`` does; a run without either is cut into pieces of at
+    most ``limit`` bytes, never through a UTF-8 character nor through what may be a
+    marker, so that at most ``limit + CHUNK`` bytes are ever held."""
 
     def __init__(self, limit: int, token: bytes) -> None:
         self.limit, self.token = limit, token
         self.buf = bytearray()
         self.cr = False  # the last chunk ended with \r: a \n first in the next is its own
 
-    def feed(self, chunk: bytes) -> Iterator[tuple[str, bool, tuple[int, int] | None]]:
+    def feed(self, chunk: bytes) -> Iterator[tuple[str, str, tuple[int, int] | None]]:
         if self.cr:
             chunk = b"\r" + chunk
-        self.cr = chunk.endswith(b"\r")
+        self.cr = chunk.endswith(b"\r")  # (held: a \n first in the next chunk is its end)
         if self.cr:
             chunk = chunk[:-1]
-        if b"\r" in chunk:
-            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        crs = b"\r" in chunk
+        if crs:
+            chunk = chunk.replace(b"\r\n", b"\n")
         buf = self.buf
         buf += chunk
         start = 0
-        while (end := buf.find(b"\n", start)) >= 0:
+        find = _ENDS.search if crs else None  # (the buffer holds no \r: each was an end)
+        while True:
+            if find is None:
+                if (end := buf.find(b"\n", start)) < 0:
+                    break
+            elif (found_end := find(buf, start)) is None:
+                break
+            else:
+                end = found_end.start()
+            if buf[end] == 0x0D:  # a redraw in place (markers end with \n only)
+                if end > start:  # (an empty one - tqdm's leading \r - draws nothing)
+                    yield _decode(buf, start, end), "\r", None
+                start = end + 1
+                continue
             found = None
             if self.token and buf.find(b"\x1e", start, end) >= 0:
                 found = find_mark(bytes(buf[start:end]), self.token)
             if found is None:
-                yield _decode(buf, start, end), True, None
+                yield _decode(buf, start, end), "\n", None
             else:
                 at, seq, rank = found
-                yield _decode(buf, start, start + at), False, (seq, rank)
+                yield _decode(buf, start, start + at), "", (seq, rank)
             start = end + 1
         del buf[:start]  # (cheap: a bytearray drops its head in place)
         while len(buf) > self.limit:  # (self.limit may change with the label meanwhile)
             cut = _cut(buf, self.limit)
-            yield _decode(buf, 0, cut), False, None
+            yield _decode(buf, 0, cut), "", None
             del buf[:cut]
 
-    def end(self) -> Iterator[tuple[str, bool, tuple[int, int] | None]]:
-        if self.cr:
+    def end(self) -> Iterator[tuple[str, str, tuple[int, int] | None]]:
+        if self.cr:  # the stream ended on a redraw: its line is finished
             self.cr = False
             yield from self.feed(b"\n")
         if self.buf:
-            yield _decode(self.buf, 0, len(self.buf)), False, None
+            yield _decode(self.buf, 0, len(self.buf)), "", None
             self.buf.clear()
+
+
+_ENDS = re.compile(rb"[\r\n]")
 
 
 def _decode(buf: bytearray, start: int, end: int) -> str:
@@ -290,10 +312,10 @@ class WorkerGroup:
         try:
             fd = pipe.fileno()
             while chunk := os.read(fd, CHUNK):
-                for text, newline, mark in lines.feed(chunk):
-                    self._line(worker, stream, lines, text, newline, mark)
-            for text, newline, mark in lines.end():
-                self._line(worker, stream, lines, text, newline, mark)
+                for text, end, mark in lines.feed(chunk):
+                    self._line(worker, stream, lines, text, end, mark)
+            for text, end, mark in lines.end():
+                self._line(worker, stream, lines, text, end, mark)
         finally:
             if stream.name == "stdout":
                 worker.ended_at = time.time()
@@ -321,22 +343,24 @@ class WorkerGroup:
         return max(4096, MAX_LINE - 1 - len(prefix.encode()))
 
     def _line(self, worker: Worker, stream: _Stream, lines: _Lines, text: str,
-              newline: bool, mark: tuple[int, int] | None) -> None:
+              end: str, mark: tuple[int, int] | None) -> None:
         if text or mark is None:  # (text before a marker: printed with no newline after)
-            self._print(stream, text, newline)
+            self._print(stream, text, end)
         if mark is not None:
             self._switch(worker, stream, mark[0], str(mark[1]))
             lines.limit = self._limit(stream)
 
-    def _print(self, stream: _Stream, line: str, newline: bool) -> None:
+    def _print(self, stream: _Stream, line: str, end: str) -> None:
+        """``end``: as _Lines gives it; printed, a piece ends its line too."""
         if stream.copy is not None:
-            self._copy(stream, line, "\n" if newline else "")
-            stream.midline = not newline
+            self._copy(stream, line, end)
+            stream.midline = end != "\n"
         prefix = f"[{stream.label}]<{stream.name}>:" if self.prefix_output else ""
+        end = end or "\n"
         if len(line) < CHUNK:
-            self._say(f"{prefix}{line}\n")
+            self._say(f"{prefix}{line}{end}")
         else:  # (no prefixed copy of a long one: a piece is up to 1 MiB)
-            self._say(prefix, line, "\n")
+            self._say(prefix, line, end)
 
     def _copy(self, stream: _Stream, *parts: str) -> None:
         try:

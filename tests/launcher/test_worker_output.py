@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -89,8 +90,9 @@ def test_a_newline_less_flood_is_pumped_in_pieces_in_bounded_memory(tmp_path):
 
 
 def test_long_lines_are_cut_between_characters_and_newlines_read_as_before(tmp_path):
-    """Pieces never split a UTF-8 character; ``\\r\\n`` and ``\\r`` end lines as the text
-    pipes' universal newlines did; undecodable bytes are replaced, not fatal."""
+    """Pieces never split a UTF-8 character; ``\\r\\n`` ends a line as ``\\n`` does, a
+    lone ``\\r`` is a redraw of the line in place; undecodable bytes are replaced, not
+    fatal."""
     code = textwrap.dedent(f"""
         import os
         os.write(1, b"a" + "\\u00e9".encode() * {MAX_LINE} + b"\\n")
@@ -109,10 +111,49 @@ def test_long_lines_are_cut_between_characters_and_newlines_read_as_before(tmp_p
     assert all(len((line + "\n").encode()) <= MAX_LINE for line in long)
     assert "".join(line.removeprefix("[0]<stdout>:") for line in long) == \
         "a" + "\u00e9" * MAX_LINE
-    assert lines[3:9] == ["[0]<stdout>:one", "[0]<stdout>:two", "[0]<stdout>:three",
+    assert lines[3:8] == ["[0]<stdout>:one", "[0]<stdout>:two\r[0]<stdout>:three",
                           "[0]<stdout>:\ufffd\ufffdbad", "[0]<stdout>:last", ""]
-    copy = (tmp_path / "cut" / "rank.0" / "stdout").read_text()
-    assert copy.endswith("one\ntwo\nthree\n\ufffd\ufffdbad\nlast\n")
+    copy = (tmp_path / "cut" / "rank.0" / "stdout").read_bytes()
+    assert copy.endswith("one\ntwo\rthree\n\ufffd\ufffdbad\nlast\n".encode())
+
+
+# A progress bar as tqdm draws it on a pipe: each redraw starts with \r, the last ends
+# with \n; a line printed while the bar runs (tqdm.write) comes between redraws.
+BAR = textwrap.dedent("""
+    import sys, time
+    for i in range(0, 101, 10):
+        sys.stderr.write(f"\\r{i:3d}%|" + "#" * (i // 10))
+        sys.stderr.flush()
+        time.sleep(0.002)
+        if i == 50:
+            print("halfway", flush=True)
+    sys.stderr.write("\\n")
+    sys.stderr.write("\\rsecond bar\\r\\n")  # (\\r\\n: a newline)
+    sys.stderr.write("\\rends on a redraw\\r")
+""")
+
+
+def test_a_progress_bar_is_redrawn_in_place_not_printed_line_by_line(tmp_path):
+    """A bar redrawn with \\r stays one line on the terminal and in the log, as torchrun's
+    output shows it: each redraw prefixed and ended with \\r (a user saw 335 lines where
+    torchrun printed 62)."""
+    printed = io.StringIO()
+    group = WorkerGroup("bar", [sys.executable, "-c", BAR], {}, stdout=printed,
+                        output_dir=str(tmp_path), log_file=tmp_path / "job.log")
+    group.start("w0", {}, label="0")
+    assert [c for _, c in _run(group)] == [0]
+    text = printed.getvalue()
+    assert (tmp_path / "job.log").read_bytes().decode() == text  # (\r kept: not read_text)
+    # four lines in all (the bar's, the one printed while it ran, two more)
+    assert text.count("\n") == 4 and text.endswith("\n")
+    drawn = re.split("[\r\n]", text)
+    redraws = [f"[0]<stderr>:{i:3d}%|" + "#" * (i // 10) for i in range(0, 101, 10)]
+    assert [d for d in drawn if "<stderr>" in d] == \
+        [*redraws, "[0]<stderr>:second bar", "[0]<stderr>:ends on a redraw"]
+    assert "[0]<stdout>:halfway" in drawn
+    copy = (tmp_path / "bar" / "rank.0" / "stderr").read_bytes().decode()
+    assert copy == "\r".join(r.removeprefix("[0]<stderr>:") for r in redraws) + \
+        "\nsecond bar\nends on a redraw\n"
 
 
 def test_output_is_printed_and_logged_as_before(tmp_path):
