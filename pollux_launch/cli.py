@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("pollux_launch.launcher.agent_cli", "run the node agent of this node"),
     "status": ("pollux_launch.launcher.status", "show nodes and jobs at a glance"),
     "cancel": ("pollux_launch.launcher.cancel", "cancel a job"),
-    "logs": ("pollux_launch.launcher.logs", "print a job's output from its nodes"),
+    "logs": ("pollux_launch.launcher.logs", "print a job's output (cluster or local)"),
     "simulate": ("pollux_launch.sim.cli", "replay a workload trace through a simulated cluster"),
 }
 

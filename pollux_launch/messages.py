@@ -317,12 +317,19 @@ class JobGeneration:
     ``startup_s`` are measured by the node agent of rank 0: how long the old workers took
     to exit after SIGTERM, and from starting the new rank 0 until its rendezvous port
     (``MASTER_PORT``) accepted connections - together the cost of one restart that the
-    coordinator charges (the script's own checkpoint loading is not seen from outside)."""
+    coordinator charges (the script's own checkpoint loading is not seen from outside).
+    ``stops``: groups stopped before they finished (for a new allocation or after a
+    failure); ``lost_s``: the training time they threw away, summed - for each, from its
+    newest file under the job's ``--checkpoint-dir`` (or, with none there, from the
+    group's start) until it was stopped; without ``--checkpoint-dir``, the group's whole
+    run time (an upper bound). Both measured by the node agent that ran its rank 0."""
 
     restarts: int = within(0, MAX_INT, 0)
     stop_s: float | None = within(0.0, 1e6, None)
     startup_s: float | None = within(0.0, 1e6, None)
     timestamp: float = within(*_TIME, 0.0)
+    stops: int = within(0, MAX_INT, 0)
+    lost_s: float = within(0.0, 1e12, 0.0)
 
     @property
     def restart_s(self) -> float | None:

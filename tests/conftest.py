@@ -24,6 +24,13 @@ import pytest
 from etcd_server import ETCD, EtcdServer, make_certs
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_home(tmp_path_factory) -> None:
+    """Local runs keep their logs under ``$XDG_STATE_HOME`` (launcher/logs.py): the
+    session's own folder, not the user's home, for every process the tests start."""
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
+
+
 def start_etcd(data_dir: Path, tls: Path | None = None, host: str = "127.0.0.1") -> EtcdServer:
     """Start an ``EtcdServer`` under ``data_dir`` (skips the test if etcd is missing)."""
     if not os.access(ETCD, os.X_OK):

@@ -15,7 +15,12 @@ Kinds of elasticity (:func:`detect_elasticity`):
   started again with the new ``WORLD_SIZE``/``RANK``/... (torchrun's contract); the
   script resumes from its own checkpoint;
 * ``fixed`` - a job that may not change size (``-np`` without ``--min-np``/``--max-np``
-  and a script that could not re-form live): never resized or moved.
+  and a script that could not re-form live, or ``--elasticity fixed``, which pins a
+  range to ``-np``): never resized or moved.
+
+A restart-elastic job whose script shows no sign of saving and loading its state
+(:func:`saves_state`) gets a warning at submission (:func:`state_warning`): each new
+allocation would start its training over.
 """
 
 from __future__ import annotations
@@ -73,7 +78,18 @@ def framework_launch(framework: str) -> FrameworkLaunch:
     return DEFAULT_LAUNCH
 
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(horovod|deepspeed)\b", re.MULTILINE)
-_POLLUX = re.compile(r"^\s*(?:import|from)\s+pollux_launch\b", re.MULTILINE)
+# (pollux_launch.constant_batch is a stdlib-only helper for restart-elastic scripts: it
+# is not the pollux API, and a script importing it stays restart-elastic)
+_POLLUX = re.compile(r"^\s*(?:import|from)\s+pollux_launch\b(?!\.constant_batch\b)",
+                     re.MULTILINE)
+# Signs that a script saves its training state and reads it back (state_signs): a call
+# that writes a checkpoint and one that loads it, or Hugging Face Trainer's resume.
+_SAVES = re.compile(r"\b(?:torch\.save|save_checkpoint|save_state|save_model|save_pretrained|"
+                    r"save_file|pickle\.dump|np\.save|numpy\.save|json\.dump|dcp\.save|"
+                    r"checkpoint\.save|async_save)\s*\(")
+_LOADS = re.compile(r"\b(?:torch\.load|load_checkpoint|load_state|load_state_dict|load_file|"
+                    r"pickle\.load|np\.load|numpy\.load|json\.load|dcp\.load|"
+                    r"checkpoint\.load)\s*\(|\bresume_from_checkpoint\s*=\s*(?!None\b|False\b)")
 _HVD_ELASTIC = re.compile(r"\b(?:hvd|horovod\.torch|horovod)\.elastic\.run\b|"
                           r"^\s*from\s+horovod\.\w+\.elastic\b|@\s*\w*elastic\.run\b",
                           re.MULTILINE)
@@ -129,20 +145,20 @@ def uses_pollux_api(command: Sequence[str], cwd: str | Path = ".") -> bool:
 def detect_elasticity(framework: str, command: Sequence[str], cwd: str | Path,
                       min_np: int, max_np: int, asked: str = "auto") -> tuple[str, str]:
     """The job's kind of elasticity (one of ELASTICITY) and why, in a few words for the
-    launcher's first line. ``asked``: ``--elasticity`` (``auto``: detected). Raises
-    ``OptionsError`` (one line) for a kind this job cannot have."""
+    launcher's first line. ``asked``: ``--elasticity`` (``auto``: detected; ``fixed``
+    over a range means fixed at ``-np``, and the reason says the range is ignored).
+    Raises ``OptionsError`` (one line) for a kind this job cannot have."""
     text = "".join(_read(path) for path in script_files(command, cwd))
     pollux = uses_pollux_api(command, cwd)
     hvd_elastic = framework == "horovod" and bool(_HVD_ELASTIC.search(text))
     resizable = min_np != max_np
-    if asked == "fixed" and resizable:
-        raise OptionsError("--elasticity fixed: the job may not change size; drop --min-np/"
-                         "--max-np (or --nnodes MIN:MAX)")
     if asked == "restart" and framework == "horovod":
         raise OptionsError("--elasticity restart: Horovod jobs re-form live with hvd.elastic "
                          "(or run fixed); restarting applies to torchrun-style scripts")
+    if asked == "fixed" and resizable:  # (the caller pins the range to -np)
+        return "fixed", "as asked by --elasticity fixed; the --min-np/--max-np range is ignored"
     if asked != "auto":
-        return asked, "as asked by --elasticity"
+        return asked, f"as asked by --elasticity {asked}"
     if pollux:
         return "live", "script uses the pollux API: re-forms in place"
     if hvd_elastic:
@@ -155,6 +171,34 @@ def detect_elasticity(framework: str, command: Sequence[str], cwd: str | Path,
     if resizable:
         return "restart", "script does not use the pollux API"
     return "fixed", "script does not use the pollux API"
+
+
+def saves_state(command: Sequence[str], cwd: str | Path = ".") -> bool:
+    """Whether the script shows a sign of saving its training state and reading it back
+    (a heuristic over the files ``command`` runs, read, never executed): a call that
+    writes state (``torch.save``, DeepSpeed's ``save_checkpoint``, ``save_state``,
+    ``save_pretrained``/``save_model``, ``dcp.save``, ``pickle``/``json``/``np`` dumps...)
+    *and* one that loads it (``torch.load``, ``load_checkpoint``, ``load_state_dict``,
+    ``dcp.load``, ... or Hugging Face Trainer's ``resume_from_checkpoint=``). A script
+    that only saves (a final model) restarts from scratch all the same. False when no
+    script file is found (``python -c``, a binary): nothing says it resumes."""
+    text = "".join(_read(path) for path in script_files(command, cwd))
+    return bool(_SAVES.search(text)) and bool(_LOADS.search(text))
+
+
+def state_warning(command: Sequence[str], cwd: str | Path, elasticity: str) -> str:
+    """One line warning that a restart-elastic job shows no sign of resuming from saved
+    state (``saves_state``): each new allocation would start its training again from
+    scratch. Empty when there is nothing to warn of (a fixed job's restarts follow only
+    failures, which lose its work whether or not it is restarted)."""
+    if elasticity != "restart" or saves_state(command, cwd):
+        return ""
+    files = script_files(command, cwd)
+    what = files[0].name if files else "the command"
+    return (f"warning: {what} shows no sign of saving and loading its state (no torch.save/"
+            f"torch.load, save_checkpoint/load_checkpoint, resume_from_checkpoint=...): every "
+            f"new allocation restarts its workers and training starts again from scratch; "
+            f"resume from a checkpoint, or run it at one size with --elasticity fixed")
 
 
 def ds_config_paths(command: Sequence[str], cwd: str | Path = ".") -> list[Path]:

@@ -39,6 +39,9 @@ class LaunchOptions:
     secret_file: str | None = None
     elasticity: str = "live"  # messages.ELASTICITY
     elasticity_reason: str = ""  # why, for the launcher's first line
+    # a "[pollux]" line after it: a job that will restart shows no sign of resuming
+    # (frameworks.state_warning); empty: none
+    elasticity_warning: str = ""
     max_restarts: int = 0
     stop_grace: float = 30.0
     reports_goodput: bool = True  # the script uses the pollux API

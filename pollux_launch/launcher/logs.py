@@ -69,12 +69,26 @@ whole lines as they come, optionally only one rank's (``[R]<`` prefix). The subm
 workers' output itself) and drains it - until no node reports live workers of the job and
 a round brought nothing new - before it prints the job's end. ``pollux-run logs JOB
 [--follow] [--rank R]`` is the same client on its own.
+
+**On one machine.** A local ``pollux-run`` (embedded store) is its own node agent, and
+keeps its job's output the same way, in the user's :func:`local_log_dir`
+(``$XDG_STATE_HOME/pollux-launch/local/logs``, default
+``~/.local/state/pollux-launch/local/logs``; every local ``pollux-run`` of the user
+shares it, one file per submission). It serves nothing over the network: the machine's
+launchers share ONE node record, so no launcher's port could be advertised in it, and the
+reader is on the same machine anyway. ``pollux-run logs`` against an embedded store adds
+that file to the follower's sources (:class:`LogFollower` ``files``: read at an offset in
+``MAX_CHUNK`` pieces, as a node is asked) besides any nodes that serve logs. A finished
+local job's keys are gone with its launcher; its name then finds the newest file of that
+job in the folder, printed as a past run's output. Printing nothing - no such job, no
+output anywhere, none of ``--rank R`` - is one line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import hmac
 import http.client
@@ -86,7 +100,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -96,6 +110,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from pollux_launch.errors import PolluxError
 
+from .. import env as envvars
 from .. import keys
 from ..arguments import OptionsError, name
 from ..messages import MAX_INT, MAX_REPLICAS, JobSpec, JobStatus, NodeInfo, ValueLog
@@ -122,6 +137,8 @@ MAX_LINE = 1 << 20  # a longer run without a newline is printed as a line of its
 FETCH_TIMEOUT = 5.0  # seconds per request to a node
 NODES_EVERY = 2.0  # seconds between reads of the node records
 ABSENT_EVERY = 2.0  # seconds between asks of a node that has no log of the job (yet)
+LOCAL_LOGS = ("pollux-launch", "local", "logs")  # under the user's state folder
+FILE_SETTLE = 0.5  # seconds a file must not grow before a drain ends (its writer is mute)
 
 
 def _safe(text: str) -> bool:
@@ -132,6 +149,59 @@ def _safe(text: str) -> bool:
 def log_path(log_dir: str | os.PathLike, job: str, submission: str) -> Path:
     """Where a node keeps ``job``'s output of one submission (``JobSpec.submission``)."""
     return Path(log_dir) / job / f"{submission or 'output'}.log"
+
+
+def local_log_dir() -> Path:
+    """Where this user's local (embedded-store) ``pollux-run`` keep their jobs' output:
+    ``$XDG_STATE_HOME`` (when absolute, as XDG says), else ``~/.local/state`` - the root of
+    the agents' default state folders too - then ``pollux-launch/local/logs``."""
+    base = os.environ.get(envvars.STATE_HOME, "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base, *LOCAL_LOGS)
+
+
+def make_local_log_dir() -> Path:
+    """:func:`local_log_dir`, created where missing: each folder from ``pollux-launch``
+    down only its user's (0700), as the state folder itself (XDG). Best effort: a folder
+    that cannot be made is said by the job's ``LogSink`` at its first line."""
+    path = local_log_dir()
+    folder = path.parents[len(LOCAL_LOGS) - 1]  # the state folder
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for part in LOCAL_LOGS:  # (parents=True would make these with the umask's mode)
+            folder /= part
+            folder.mkdir(mode=0o700, exist_ok=True)
+    except OSError:  # (nothing lost: the job's LogSink tries again and says why it cannot)
+        pass
+    return path
+
+
+def last_log(log_dir: str | os.PathLike, job: str) -> Path | None:
+    """The most recently written log of ``job`` in ``log_dir`` (its newest submission's),
+    None if there is none. ``job`` must be a safe name (``_safe``)."""
+    if not _safe(job):
+        return None
+    newest: tuple[float, str] | None = None
+    try:
+        with os.scandir(Path(log_dir) / job) as entries:
+            for entry in entries:
+                if not (entry.name.endswith(".log") and _safe(entry.name[:-4])):
+                    continue
+                try:
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    when = entry.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:  # (removed since the listing: not a candidate)
+                    continue
+                if newest is None or (when, entry.name) > newest:
+                    newest = (when, entry.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise OptionsError(f"cannot read the logs in {Path(log_dir) / job}: "
+                           f"{exc.strerror or exc}") from None
+    return None if newest is None else Path(log_dir) / job / newest[1]
 
 
 def job_log_file(log_dir: str | os.PathLike | None, spec: JobSpec) -> str | None:
@@ -585,7 +655,8 @@ def _skew(value: str | None) -> int | None:
 
 @dataclass
 class _Source:
-    """One node's log of the job, as far as it was printed."""
+    """One place the job's log is read from (a node's server, a file on this machine), as
+    far as it was printed."""
 
     offset: int = 0
     pending: bytes = b""  # the start of a line whose end has not come yet
@@ -594,26 +665,31 @@ class _Source:
 
 
 class LogFollower:
-    """Prints ``job``'s output (submission ``submission``) from every node that serves
-    some, as it comes; only rank ``rank``'s lines if given. Problems with a node go to
-    ``err`` once each."""
+    """Prints ``job``'s output (submission ``submission``) as it comes, from every node
+    that serves some and from ``files`` on this machine (a local ``pollux-run``'s log);
+    only rank ``rank``'s lines if given. Every source is read alike: from the offset
+    printed so far, at most ``MAX_CHUNK`` bytes a read, whole lines printed. Problems
+    with a source go to ``err`` once each."""
 
     def __init__(self, store: Store, job: str, submission: str, secret: bytes | None,
                  out: IO[str], rank: int | None = None, err: IO[str] | None = None,
-                 interval: float = 0.5) -> None:
+                 interval: float = 0.5, files: Sequence[str | os.PathLike] = ()) -> None:
         self.store, self.job, self.secret = store, job, secret
         self.target = f"/logs/{job}/{submission or 'output'}"
+        self.files = [Path(f) for f in files]
         self.out, self.err = out, err or out
         self.prefix = None if rank is None else f"[{rank}]<".encode()
         self.interval = interval
+        # per node name, or per file (its path): what was printed of it
         self.sources: dict[str, _Source] = {}
         # the nodes serving logs at the last read (one that went away keeps its offset
         # in ``sources``: its log may come back with its agent)
         self.nodes: dict[str, NodeInfo] = {}
+        self.lines = 0  # lines printed
         self.values = ValueLog(log)
         self._nodes_read = -NODES_EVERY
         self._store_trouble = False
-        self._behind = False  # a node had more than one round's worth at the last poll
+        self._behind = False  # a source had more than one round's worth at the last poll
         self._lock = threading.RLock()  # one poller at a time: nothing printed twice
         self._finishing = threading.Event()  # drain() asks the running thread to end
         self._done = threading.Event()
@@ -621,18 +697,18 @@ class LogFollower:
 
     # one round ------------------------------------------------------------------------
     def poll(self, force: bool = False) -> int:
-        """Ask every node serving logs for what it has past our offset; print the whole
-        lines. Returns the bytes received. ``force``: ask nodes that had no log too (not
-        those that failed: an unreachable one would stall every round)."""
+        """Read every source past our offset (ask every node serving logs); print the
+        whole lines. Returns the bytes received. ``force``: ask nodes that had no log
+        too (not those that failed: an unreachable one would stall every round)."""
         with self._lock:
             self._read_nodes()
             got, self._behind = 0, False
-            for node in list(self.nodes.values()):
-                src = self.sources.setdefault(node.name, _Source())
+            for key, read in self._places():
+                src = self.sources.setdefault(key, _Source())
                 if time.monotonic() < src.next_ask and (src.said or not force):
                     continue
-                for _ in range(16):  # a node far behind gets a few chunks, then the next
-                    data = self._fetch(node, src)
+                for _ in range(16):  # a source far behind gets a few chunks, then the next
+                    data = read(src)
                     got += len(data)
                     self._emit(src, data)
                     if len(data) < MAX_CHUNK:
@@ -640,6 +716,14 @@ class LogFollower:
                 else:
                     self._behind = True
             return got
+
+    def _places(self) -> list[tuple[str, Callable[[_Source], bytes]]]:
+        """(key in ``sources``, reader of the next bytes) of every source now."""
+        places: list[tuple[str, Callable[[_Source], bytes]]] = [
+            (str(path), functools.partial(self._read_file, path)) for path in self.files]
+        places += [(node.name, functools.partial(self._fetch, node))
+                   for node in self.nodes.values()]
+        return places
 
     def _read_nodes(self) -> None:
         if time.monotonic() - self._nodes_read < NODES_EVERY:
@@ -658,8 +742,25 @@ class LogFollower:
             if info is not None and info.log_port:
                 self.nodes[info.name] = info
 
+    def _read_file(self, path: Path, src: _Source) -> bytes:
+        """At most ``MAX_CHUNK`` bytes of the file ``path`` from ``src.offset`` on."""
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(min(src.offset, size))
+                data = f.read(MAX_CHUNK) if src.offset < size else b""
+        except FileNotFoundError:  # none (yet): read again next round (it costs nothing)
+            src.said = ""
+            return b""
+        except OSError as exc:
+            self._problem(str(path), src, f"cannot read it ({exc.strerror or exc})")
+            return b""
+        src.next_ask, src.said = 0.0, ""
+        src.offset += len(data)
+        return data
+
     def _fetch(self, node: NodeInfo, src: _Source) -> bytes:
-        target = f"{self.target}?offset={src.offset}"
+        target, where = f"{self.target}?offset={src.offset}", f"node {node.name}"
         headers = {}
         if self.secret is not None:
             headers[AUTH_HEADER] = sign_request(self.secret, "GET", node.address,
@@ -673,7 +774,7 @@ class LogFollower:
             reason = "".join(c for c in body[:200].decode("utf-8", "replace")
                              if c.isprintable()).strip()  # (what a node says is untrusted)
         except (OSError, http.client.HTTPException) as exc:
-            self._problem(node, src, f"unreachable ({exc})")
+            self._problem(where, src, f"unreachable ({exc})")
             return b""
         finally:
             conn.close()
@@ -682,7 +783,7 @@ class LogFollower:
             return b""
         if status == 401 and skew is not None:  # the right secret, a clock off
             ahead = "the node's is ahead" if skew > 0 else "this machine's is ahead"
-            self._problem(node, src, f"refused the log (401: this machine's clock and the "
+            self._problem(where, src, f"refused the log (401: this machine's clock and the "
                           f"node's differ by {abs(skew)} s ({ahead}); sync them (NTP))",
                           said="401 clock skew")  # (said once, however the skew wobbles)
             return b""
@@ -691,22 +792,22 @@ class LogFollower:
                         "(--secret-file or $POLLUX_SECRET)",
                    403: "the cluster has no secret, so its logs are served to its own "
                         "machine only"}.get(status, reason)
-            self._problem(node, src, f"refused the log ({status}: {why})")
+            self._problem(where, src, f"refused the log ({status}: {why})")
             return b""
         if len(body) > MAX_CHUNK:  # not our server's answer
-            self._problem(node, src, "answered more than it may")
+            self._problem(where, src, "answered more than it may")
             return b""
         src.next_ask, src.said = 0.0, ""
         src.offset += len(body)
         return body
 
-    def _problem(self, node: NodeInfo, src: _Source, what: str, said: str = "") -> None:
-        """Say ``what`` unless the last problem said was the same (``said``: what counts
-        as the same, default ``what``)."""
+    def _problem(self, where: str, src: _Source, what: str, said: str = "") -> None:
+        """Say ``what`` of the source ``where`` unless the last problem said was the same
+        (``said``: what counts as the same, default ``what``)."""
         src.next_ask = time.monotonic() + ABSENT_EVERY
         if src.said != (said or what):
             src.said = said or what
-            self._say(f"node {node.name}: {what}")
+            self._say(f"{where}: {what}")
 
     def _say(self, what: str) -> None:
         self.err.write(f"[pollux] logs of {self.job}: {what}\n")
@@ -716,7 +817,9 @@ class LogFollower:
         if not data and not (final and src.pending):
             return
         buf = src.pending + data
-        cut = buf.rfind(b"\n") + 1
+        # whole lines and whole redraws (a progress bar's "...\r", workers.py): a bar
+        # updates as it comes, and --rank keeps each redraw by its own prefix
+        cut = max(buf.rfind(b"\n"), buf.rfind(b"\r")) + 1
         if final and cut < len(buf):
             buf, cut = buf + b"\n", len(buf) + 1
         elif cut == 0 and len(buf) > MAX_LINE:  # never hold an endless line
@@ -726,6 +829,7 @@ class LogFollower:
         if self.prefix is not None:
             lines = [line for line in lines if line.startswith(self.prefix)]
         if lines:
+            self.lines += len(lines)
             self.out.write(b"".join(lines).decode("utf-8", "replace"))
             self.out.flush()
 
@@ -757,14 +861,20 @@ class LogFollower:
     def _drain(self, timeout: float = 15.0) -> None:
         """Poll until a round brings nothing new and no node record lists live workers
         of the job (their last lines may still be on the way), for at most ``timeout``
-        seconds; then print any unfinished last line."""
+        seconds; then print any unfinished last line. A file says nothing of its
+        writer: with files, nothing new for ``FILE_SETTLE`` seconds is needed too."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        quiet_since: float | None = None
+        while (now := time.monotonic()) < deadline:
             self._nodes_read = -NODES_EVERY  # (worker counts afresh)
-            if not self.poll(force=True):
-                if not any(n.workers.get(self.job, 0) > 0 for n in self.nodes.values()):
-                    break
-                time.sleep(min(self.interval, 0.25))
+            if self.poll(force=True):
+                quiet_since = None
+                continue
+            quiet_since = now if quiet_since is None else quiet_since
+            if (not self.files or now - quiet_since >= FILE_SETTLE) and not any(
+                    n.workers.get(self.job, 0) > 0 for n in self.nodes.values()):
+                break
+            time.sleep(min(self.interval, 0.25))
         self._flush()
 
     def _flush(self) -> None:
@@ -773,8 +883,9 @@ class LogFollower:
                 self._emit(src, b"", final=True)
 
     def print_all(self) -> bool:
-        """Print what the nodes have now, no following (a node with more than one
-        round's worth is asked again); whether any node had some."""
+        """Print what the sources have now, no following (one with more than one
+        round's worth is read again); whether any source had some (``lines``: how many
+        lines were printed, after the ``rank`` filter)."""
         self.poll(force=True)
         while self._behind:
             self.poll(force=True)
@@ -806,41 +917,96 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, stdout: IO[str] | None = None) -> int:
+    """``pollux-run logs``: the job's output from its nodes (and, against an embedded
+    store, from this machine's local log); 0 once some was printed, else one line
+    (``OptionsError``: exit code 2)."""
     from ..messages import MessageError, decode
     from ..rendezvous.store.cli_args import open_from_args
     from . import security
 
     out = stdout or sys.stdout
     secret = security.load_secret(args.secret_file)
-    store, _ = open_from_args(args)
+    store, url = open_from_args(args)
+    local = url.startswith("embedded")  # (a local pollux-run's log is on this machine)
     with store:
         kv = store.get(keys.job(args.job, "spec"))
         if kv is None:
-            raise OptionsError(f"no job named {args.job!r} in the store; see "
-                               "`pollux-run status`")
+            if not local:
+                raise OptionsError(f"no job named {args.job!r} in the store; see "
+                                   "`pollux-run status`")
+            _past_run(store, args, secret, out)
+            return 0
         try:
             spec = decode(JobSpec, kv.value)
         except MessageError as exc:
             raise OptionsError(f"job {args.job!r} has a malformed spec ({exc})") from None
         if job_log_file("logs", spec) is None:
             raise OptionsError(f"job {args.job!r}: its spec's submission id is not a name")
+        here = job_log_file(local_log_dir(), spec) if local else None
         follower = LogFollower(store, args.job, spec.submission, secret, out, args.rank,
-                               err=sys.stderr)
+                               err=sys.stderr, files=[here] if here else [])
         if args.follow:
-            values = ValueLog(log)
-
-            def finished() -> bool:
-                try:
-                    kv = store.get(keys.job(args.job, "status"))
-                except StoreError:
-                    return False  # (said by the follower's own reads if it persists)
-                status = values.read(JobStatus, kv.key, kv.value, kv.mod_revision) \
-                    if kv is not None else None
-                return kv is None or (status is not None and status.finished)
-
-            follower.run(threading.Event(), until=finished)
-        elif not follower.print_all():
-            serving = len(follower.nodes)
-            print(f"pollux-run logs: no output of job {args.job!r} on the {serving} node(s) "
-                  "serving logs", file=sys.stderr)
+            follower.run(threading.Event(), until=_finished(store, spec, local))
+        else:
+            follower.print_all()
+        _printed(follower, args.rank, here)
     return 0
+
+
+def _finished(store: Store, spec: JobSpec, local: bool) -> Callable[[], bool]:
+    """A check of whether ``spec``'s job has finished: its status says so or is gone;
+    in local mode also its spec gone or another's (its launcher ended: the spec lived
+    under the launcher's lease)."""
+    values = ValueLog(log)
+
+    def finished() -> bool:
+        try:
+            kv = store.get(keys.job(spec.name, "status"))
+            now = store.get(keys.job(spec.name, "spec")) if local else None
+        except StoreError:
+            return False  # (said by the follower's own reads if it persists)
+        if local:
+            current = values.read(JobSpec, now.key, now.value, now.mod_revision) \
+                if now is not None else None
+            if now is None or (current is not None and current.submission != spec.submission):
+                return True
+        status = values.read(JobStatus, kv.key, kv.value, kv.mod_revision) \
+            if kv is not None else None
+        return kv is None or (status is not None and status.finished)
+
+    return finished
+
+
+def _past_run(store: Store, args: argparse.Namespace, secret: bytes | None,
+              out: IO[str]) -> None:
+    """A job not in the (embedded) store: print the output of its last local run, kept
+    on this machine after its launcher ended and removed its keys."""
+    folder = local_log_dir()
+    path = last_log(folder, args.job)
+    if path is None:
+        raise OptionsError(f"no job named {args.job!r} in the store, and no log of a "
+                           f"past local run of it in {folder}; see `pollux-run status`")
+    try:
+        when = time.strftime(" (last written %Y-%m-%d %H:%M:%S)",
+                             time.localtime(path.stat().st_mtime))
+    except OSError:  # (removed meanwhile: the read below says so)
+        when = ""
+    print(f"[pollux] job {args.job!r} has finished: the output of its last run here, "
+          f"from {path}{when}", file=sys.stderr, flush=True)
+    follower = LogFollower(store, args.job, path.stem, secret, out, args.rank,
+                           err=sys.stderr, files=[path])
+    follower.print_all()
+    _printed(follower, args.rank, str(path))
+
+
+def _printed(follower: LogFollower, rank: int | None, here: str | None) -> None:
+    """Raise ``OptionsError`` (one line) unless ``follower`` printed something."""
+    if follower.lines:
+        return
+    job = follower.job
+    if rank is not None and any(src.offset for src in follower.sources.values()):
+        raise OptionsError(f"job {job!r} has output, but no line of rank {rank}")
+    where = f"on the {len(follower.nodes)} node(s) serving logs"
+    if here is not None:
+        where = f"in {here} or {where}"
+    raise OptionsError(f"no output of job {job!r} {where}")

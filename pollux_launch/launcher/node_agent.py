@@ -136,7 +136,8 @@ class NodeAgent:
         runs per-replica workers; ``"launcher"``: it runs the framework drivers of the
         jobs it launched, ``launch_options`` being their pollux-run flags); ``state_dir``:
         where the agent keeps what must outlive it (``admission.py``); ``log_dir``: where
-        a registered node keeps and serves its jobs' output (``logs.py``); ``gpus``: the
+        a registered node keeps and serves its jobs' output (``logs.py``; ``local``: kept,
+        not served - ``pollux-run logs`` reads the file on this machine); ``gpus``: the
         node's GPUs, each worker holding one (``devices.py``; none: CPU slots)."""
         self.log_dir = log_dir
         node = dataclasses.replace(node, gpus=tuple(gpus))
@@ -330,9 +331,37 @@ class NodeAgent:
         self._publish_gpus()
         if counts == self._workers or not self.registers:
             return
-        self._workers = counts
+        before, self._workers = self._workers, counts
         if self._owns_node and not self.local:
             self._put_node()
+        elif self.local:
+            try:
+                self._merge_workers(set(before) | set(counts))
+            except StoreError:
+                self._workers = before  # (so that the next pass tries again)
+                raise
+
+    def _merge_workers(self, mine: set[str]) -> None:
+        """The machine's shared local record: this launcher's counts of its jobs
+        (``mine``) replace theirs in it, by compare-and-swap under the record's own lease,
+        so that status's RUNNING counts every launcher's workers; the other jobs' counts,
+        the size and the owner stay as they are. Raises StoreError."""
+        key = keys.node(self.node.name)
+        for _ in range(8):
+            kv = self.store.get(key)
+            if kv is None:  # (its owner ended: _ensure_registered puts ours, counts and all)
+                return
+            record = self.values.read(NodeInfo, kv.key, kv.value, kv.mod_revision)
+            if record is None:  # malformed (logged): whoever puts it next replaces it
+                return
+            workers = {job: n for job, n in record.workers.items() if job not in mine}
+            workers.update(self._workers)
+            if workers == record.workers:
+                return
+            value = encode(dataclasses.replace(record, workers=workers))
+            if self.store.txn([Compare(key, "mod_revision", "==", kv.mod_revision)],
+                              [Put(key, value, kv.lease)]):
+                return
 
     def _publish_gpus(self) -> None:
         """Put ``jobs/<job>/gpus/<node>`` (under this agent's lease) where the GPUs a job's

@@ -22,18 +22,24 @@ the job's restarts after failures (``JobGeneration.restarts``). Protocol, per no
    exit, and from starting the new rank 0 until the group's rendezvous port accepted a
    connection. Both go to ``JobGeneration``; the coordinator charges their sum as the
    job's re-allocation penalty.
+5. The same node measures the work a stopped group throws away: from its newest file
+   under the job's ``--checkpoint-dir`` (from the group's start when there is none, or
+   no such folder) until the group was stopped; ``JobGeneration.stops`` and ``lost_s``
+   add it up and ``pollux-run status`` shows it (RESTARTS (LOST)).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
 
+from .. import env as envvars
 from .. import keys
 from ..messages import Allocation, JobGeneration, JobSpec, encode
 from ..rendezvous.store import Compare, Put, StoreError
@@ -45,6 +51,7 @@ log = logging.getLogger(__name__)
 Generation = tuple[int, int, int]  # (allocation term, allocation version, restarts)
 STOP_WAIT = 1.0  # seconds a pass waits for SIGTERMed workers before going on
 PROBE_TIMEOUT = 600.0  # give up measuring a start-up that never opens its port
+SCAN_LIMIT = 10_000  # entries of a checkpoint folder looked at for its newest file
 
 
 class RestartDriver(ReplicaDriver):
@@ -61,6 +68,11 @@ class RestartDriver(ReplicaDriver):
         self._probe_stop = threading.Event()
         self._early: list[tuple[Worker, int]] = []  # reaped while stopping, not reported
         self._generation: Generation | None = None  # the one reconcile starts workers of
+        # the generation whose rank 0 started here, and when (wall clock: compared with
+        # checkpoint files' times); when it was seen to end (its lost work is measured
+        # once its workers are gone: one that saves on SIGTERM lost nothing)
+        self._rank0: tuple[Generation | None, float] | None = None
+        self._ended_at: float | None = None
 
     # -- the generation -----------------------------------------------------------------
     def _key(self) -> str:
@@ -95,6 +107,8 @@ class RestartDriver(ReplicaDriver):
     def reconcile(self, alloc: Allocation | None, free_slots: int) -> int:
         record, _ = self.generation_record()
         current = self._current(alloc, record.restarts)
+        if self._rank0 is not None and self._rank0[0] != current and self._ended_at is None:
+            self._ended_at = time.time()
         old = [wid for wid in self.group.workers if self._born.get(wid) != current]
         if old:
             before = len(self.group.workers)
@@ -105,13 +119,43 @@ class RestartDriver(ReplicaDriver):
         if self._stop_began is not None:  # the old generation has gone: how long it took
             self._stop_s = time.monotonic() - self._stop_began
             self._stop_began = None
+        if self._rank0 is not None and self._ended_at is not None:
+            self._record_loss(self._rank0[1], self._ended_at)
+            self._rank0 = self._ended_at = None
         self._generation = current
         return self._start_missing(alloc, free_slots, record.restarts)
 
     def started(self, worker: Worker, alloc: Allocation | None) -> None:
         self._born[worker.worker_id] = self._generation
         if worker.label == "0" and alloc is not None and self._generation is not None:
+            self._rank0, self._ended_at = (self._generation, time.time()), None
             self._measure_startup(alloc, self._generation[2])
+
+    # -- the work a stopped group loses --------------------------------------------------
+    def _record_loss(self, began: float, ended: float) -> None:
+        """Count one stopped group and the training it lost: from its newest checkpoint
+        file (or its start, ``began``) until ``ended`` - 0 when it saved one while being
+        stopped."""
+        folder = self.spec.env.get(envvars.CHECKPOINT_DIR)
+        saved = newest_mtime(folder) if folder else None
+        lost = max(0.0, ended - max(began, saved or 0.0))
+
+        def add(old: JobGeneration) -> JobGeneration:
+            return dataclasses.replace(old, stops=old.stops + 1,
+                                       lost_s=round(old.lost_s + lost, 3), timestamp=time.time())
+
+        try:
+            self._update(add)
+        except StoreError as exc:  # only a measurement: status shows less than was lost
+            log.info("job %s: lost work not recorded (%s)", self.spec.name, exc)
+        if folder:  # measured: said where the user sees it
+            since = "its last checkpoint" if saved is not None and saved > began else \
+                "it started (no checkpoint file since)"
+            log.warning("job %s: its group was stopped %.1f s after %s: that training is "
+                        "lost", self.spec.name, lost, since)
+        else:
+            log.info("job %s: its group was stopped %.1f s after it started (how much of that "
+                     "it had saved is not seen without --checkpoint-dir)", self.spec.name, lost)
 
     def _stop(self, old: list[str]) -> None:
         """SIGTERM the old generation (once), SIGKILL it after the grace; wait up to
@@ -216,3 +260,25 @@ class RestartDriver(ReplicaDriver):
     def stop(self, grace: float) -> None:
         self._probe_stop.set()
         super().stop(grace)
+
+
+def newest_mtime(folder: str) -> float | None:
+    """The newest modification time of a file under ``folder`` (at most SCAN_LIMIT
+    entries looked at); None when it has none or cannot be read."""
+    newest, seen, todo = None, 0, [folder]
+    while todo and seen < SCAN_LIMIT:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:  # (missing, unreadable, or removed meanwhile: nothing in it counts)
+            continue
+        for entry in entries[:SCAN_LIMIT - seen]:
+            seen += 1
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    mtime = entry.stat(follow_symlinks=False).st_mtime
+                    newest = mtime if newest is None else max(newest, mtime)
+            except OSError:  # (removed while looked at, e.g. a rotated checkpoint: skipped)
+                continue
+    return newest

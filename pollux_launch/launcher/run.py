@@ -7,6 +7,8 @@ Two modes, chosen by the store:
   cores, or ``-H localhost:N`` slots), runs a coordinator candidate (several ``pollux-run`` on one
   machine share one leader through the store) and a node agent for its own job. The
   job's spec lives under this process's lease, so a killed launcher frees its slots.
+  Its agent keeps the job's output in the user's local log folder (``logs.py``:
+  ``local_log_dir``), where ``pollux-run logs`` reads it, during the run and after.
 * **Cluster** (``--store etcd://...``): the spec is signed and submitted; node agents
   run the workers and the coordinator service schedules; this process follows the job
   and prints its status until it ends.
@@ -40,6 +42,7 @@ from .. import keys
 from ..calibration import load_rescale_cost
 from ..coordinator.service import Coordinator
 from ..messages import (
+    MAX_REPLICAS,
     REJECTED_EXIT,
     Allocation,
     JobHints,
@@ -61,7 +64,7 @@ from .devices import detect_gpus, node_slots
 from .discovery import DiscoveryError, HostDiscovery
 from .drivers import driver_class
 from .hosts import LOCAL_NAMES
-from .logs import LogFollower
+from .logs import LogFollower, make_local_log_dir
 from .node_agent import NodeAgent
 from .options import SPEC_FLAGS, LaunchOptions, OptionsError
 from .status import describe_allocation, describe_hints, describe_kind
@@ -72,6 +75,9 @@ M = TypeVar("M")
 # How long agents accept a submitted spec for starting workers: bounds the replay of a
 # signed spec (admission.py); a job running longer gets no new workers after it.
 SPEC_TTL = 30 * 24 * 3600.0
+FIRST_REPORT = "waiting for the first report"
+WAITING = frozenset({describe_allocation(None), FIRST_REPORT})
+WAIT_SAID_AFTER = 5.0  # s: a job placed within this never says it waited
 
 
 def local_gpus(opts: LaunchOptions) -> tuple[str, ...]:
@@ -90,6 +96,21 @@ def local_slots(opts: LaunchOptions, gpus: tuple[str, ...] = ()) -> int:
                 "`pollux-run agent --store etcd://...` on each and pass --store etcd://...")
         return node_slots(gpus, sum(h.slots for h in opts.hosts), "-H")
     return node_slots(gpus, None)
+
+
+def slots_warning(spec: JobSpec, slots: int) -> str | None:
+    """What a job's replica bounds mean on a machine of ``slots`` slots, where that is
+    not what they say (e.g. torchrun's ``--nnodes 1:2 --nproc-per-node 2`` on 2 slots:
+    2..4 replicas that can only ever be 2), or None."""
+    if spec.elasticity == "fixed" or not slots < spec.max_replicas < MAX_REPLICAS:
+        return None  # (MAX_REPLICAS: no maximum given, "as many as there are")
+    said = f"up to {spec.max_replicas} replicas, but this machine has {slots} slot(s)"
+    if spec.min_replicas < slots:
+        return f"{said}: it runs at most {slots} here"
+    return (f"{said}, and it never goes below {spec.min_replicas}: it runs at "
+            f"{spec.min_replicas} and other jobs here wait until it ends (a smaller "
+            "minimum lets it make room: --min-np, or --nnodes 1:N with fewer "
+            "--nproc-per-node)")
 
 
 def _discovery(opts: LaunchOptions, local: bool) -> HostDiscovery | None:
@@ -146,6 +167,11 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
         submitted = True
         print(f"[pollux] job {spec.name}: {describe_kind(spec)} ({opts.elasticity_reason})",
               file=stdout, flush=True)
+        if opts.elasticity_warning:
+            print(f"[pollux] job {spec.name}: {opts.elasticity_warning}", file=stdout,
+                  flush=True)
+        if local and discovery is None and (warning := slots_warning(spec, slots)):
+            print(f"[pollux] job {spec.name}: {warning}", file=stdout, flush=True)
         if local:
             node = NodeInfo(socket.gethostname(), slots, "127.0.0.1", time.time())
             cost = load_rescale_cost()
@@ -158,7 +184,7 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
             agent = NodeAgent(store, node, url, opts.store_prefix, secret=secret,
                               only_jobs={spec.name}, output_dir=opts.output_filename,
                               stdout=stdout, sides=("node", "launcher"), launch_options=opts,
-                              local=True, gpus=gpus)
+                              local=True, gpus=gpus, log_dir=str(make_local_log_dir()))
             # the node's record first: the coordinator's first round then places the job
             # at once (a record put after that round costs a second, settled round)
             agent.register()
@@ -299,6 +325,7 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
     last_line = ""
     unreachable = False
     values = ValueLog(log)  # a malformed status or hints: said once, read as none yet
+    started = time.monotonic()
     try:
         while True:
             if interrupted:
@@ -343,12 +370,15 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
                     and status.state == "queued"
                     else describe_hints(hints) if hints
                     else describe_allocation(alloc) if opts.elasticity != "live"
-                    else "waiting for the first report")
-            if line != last_line:
+                    else FIRST_REPORT)
+            # a wait said only once it is one: the first allocation and report take a
+            # moment on an idle machine too, and "waiting" there would be a false alarm
+            early = WAIT_SAID_AFTER - (time.monotonic() - started)
+            if line != last_line and (early <= 0 or line not in WAITING):
                 print(f"[pollux] {job}: {line}", file=stdout, flush=True)
                 last_line = line
             try:
-                store.wait(keys.job(job), rev, timeout=1.0)
+                store.wait(keys.job(job), rev, timeout=min(1.0, early) if early > 0 else 1.0)
             except StoreError:  # reported by the next read if it persists
                 time.sleep(0.2)
     finally:

@@ -18,6 +18,7 @@ from typing import IO
 
 import numpy as np
 
+from .. import env as envvars
 from .. import keys
 from ..arguments import seconds
 from ..messages import (
@@ -210,11 +211,18 @@ def _restarts(restarts: JobRestarts | None, generation: JobGeneration | None,
               spec: JobSpec | None) -> str:
     """Restarts after every worker died, with the progress lost (iterations); for a
     restart-elastic or fixed job, its group's restarts after failures of the most its
-    ``--max-restarts`` allows, and a restart's measured cost."""
+    ``--max-restarts`` allows, a restart's measured cost, and - once a group was stopped
+    before it finished (a new allocation, a failure) - how many were and the training
+    time they lost (``<=``: the job has no ``--checkpoint-dir`` to measure it against,
+    so the groups' whole run time), e.g. ``0/0 (2.1 s each), 2 stopped: lost 1m35s``."""
     if spec is not None and spec.elasticity != "live":
         done = generation.restarts if generation else 0
         cost = generation.restart_s if generation else None
-        return f"{done}/{spec.max_restarts}" + (f" ({cost:.1f} s each)" if cost else "")
+        text = f"{done}/{spec.max_restarts}" + (f" ({cost:.1f} s each)" if cost else "")
+        if generation is not None and generation.stops:
+            bound = "" if envvars.CHECKPOINT_DIR in spec.env else "<="
+            text += f", {generation.stops} stopped: lost {bound}{_age(generation.lost_s)}"
+        return text
     if restarts is None or not restarts.count:
         return "0"
     return f"{restarts.count} ({restarts.lost_progress:.0f} it)"
@@ -239,8 +247,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # -- subcommands ---------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
-    parser.add_argument("--watch", action="store_true", help="refresh every --every seconds")
-    parser.add_argument("--every", type=seconds, default=2.0, help=argparse.SUPPRESS)
+    parser.add_argument("--watch", action="store_true",
+                        help="redraw the tables every --every seconds until Ctrl-C")
+    parser.add_argument("--every", type=seconds, default=2.0, metavar="SECONDS",
+                        help="with --watch: seconds between redraws (default 2)")
 
 
 def run(args: argparse.Namespace, stdout: IO[str] | None = None) -> int:

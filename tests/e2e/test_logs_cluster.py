@@ -75,8 +75,10 @@ def test_output_of_every_node_reaches_the_submitting_pollux_run(cluster, tmp_pat
     env = {k: v for k, v in cluster.env.items() if k != "POLLUX_SECRET"}
     refused = subprocess.run([POLLUX_RUN, "logs", "job-logs", "--store", cluster.url],
                              env=env, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 0 and refused.stdout == ""
+    assert refused.returncode == 2 and refused.stdout == ""  # nothing printed: an error
     assert "cluster secret" in refused.stderr and SECRET not in refused.stderr
+    assert refused.stderr.splitlines()[-1] == ("pollux-run: error: no output of job "
+                                               "'job-logs' on the 2 node(s) serving logs")
 
     unknown = subprocess.run([POLLUX_RUN, "logs", "no-such-job", "--store", cluster.url],
                              env=cluster.env, capture_output=True, text=True, timeout=60)

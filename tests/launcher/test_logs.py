@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import io
+import os
 import re
 import socket
 import sys
@@ -338,6 +339,7 @@ def test_following_thread_drains_the_last_lines(tmp_path, cluster_store):
 def test_pollux_run_logs(tmp_path, cluster_store, capsys, monkeypatch):
     url, store = cluster_store
     monkeypatch.setenv("POLLUX_SECRET", SECRET.decode())
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     assert main(["logs", "nope", "--store", url]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no job named 'nope'" in err
@@ -349,9 +351,11 @@ def test_pollux_run_logs(tmp_path, cluster_store, capsys, monkeypatch):
         store.put(keys.job(JOB, "spec"), encode(spec))
         store.put(keys.job(JOB, "status"), encode(JobStatus("running")))
         _register(store, "n0", server)
-        assert main(["logs", JOB, "--store", url]) == 0
+        assert main(["logs", JOB, "--store", url]) == 2  # none yet: an error, one line
         captured = capsys.readouterr()
-        assert captured.out == "" and "no output of job" in captured.err
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert "no output of job 'job-a' in " in captured.err  # (this machine's folder)
+        assert "on the 1 node(s) serving logs" in captured.err
 
         _write(server.root, "[0]<stdout>:zero\n[1]<stdout>:one\n[0]<stderr>:zero again\n")
         assert main(["logs", JOB, "--store", url, "--rank", "0"]) == 0
@@ -372,6 +376,88 @@ def test_pollux_run_logs(tmp_path, cluster_store, capsys, monkeypatch):
         capsys.readouterr()
     finally:
         server.stop()
+
+
+# -- a local pollux-run's log: a file on this machine ------------------------------------
+def test_follower_reads_a_file_in_bounded_chunks_whole_lines_and_ranks(
+        tmp_path, cluster_store, monkeypatch):
+    _, store = cluster_store
+    monkeypatch.setattr(logs_module, "MAX_CHUNK", 64)
+    text = "".join(f"[{i % 2}]<stdout>:line {i}\n" for i in range(200))
+    path = _write(tmp_path / "logs", text + "[0]<stdout>:part")
+    out, err = io.StringIO(), io.StringIO()
+    follower = LogFollower(store, JOB, SUB, None, out, err=err, files=[path])
+    assert follower.poll() == 16 * 64  # a round reads a few chunks, never the whole file
+    assert follower._behind
+    assert out.getvalue() and text.startswith(out.getvalue())  # whole lines only
+    assert follower.print_all()
+    assert out.getvalue() == text + "[0]<stdout>:part\n"  # the partial line, ended
+    assert follower.lines == 201 and err.getvalue() == ""
+
+    ones = io.StringIO()
+    assert LogFollower(store, JOB, SUB, None, ones, rank=1, files=[path]).print_all()
+    assert ones.getvalue().splitlines() == [f"[1]<stdout>:line {i}" for i in range(1, 200, 2)]
+
+    # no file (yet): nothing printed, nothing said; one that cannot be read: said once
+    said = io.StringIO()
+    absent = LogFollower(store, JOB, SUB, None, io.StringIO(), err=said,
+                         files=[tmp_path / "none.log"])
+    assert not absent.print_all() and absent.lines == 0 and said.getvalue() == ""
+    (tmp_path / "dir.log").mkdir()
+    broken = LogFollower(store, JOB, SUB, None, io.StringIO(), err=said,
+                         files=[tmp_path / "dir.log"])
+    broken.print_all()
+    broken.print_all()
+    assert said.getvalue().count("cannot read it") == 1 and "dir.log" in said.getvalue()
+
+
+def test_follower_passes_a_progress_bars_redraws_as_they_come(tmp_path, cluster_store):
+    """A bar's redraws (``...\\r``, as the pump prints them) are printed before its line
+    ends, and ``--rank`` keeps each redraw by its own prefix."""
+    _, store = cluster_store
+    path = _write(tmp_path / "logs", "[0]<stderr>: 10%|#\r[1]<stdout>:hi\n[0]<stderr>: 20%|##\r")
+    out = io.StringIO()
+    follower = LogFollower(store, JOB, SUB, None, out, files=[path])
+    follower.poll()
+    assert out.getvalue() == "[0]<stderr>: 10%|#\r[1]<stdout>:hi\n[0]<stderr>: 20%|##\r"
+    zero = io.StringIO()
+    LogFollower(store, JOB, SUB, None, zero, rank=0, files=[path]).print_all()
+    assert zero.getvalue() == "[0]<stderr>: 10%|#\r[0]<stderr>: 20%|##\r"
+
+
+def test_following_a_file_drains_its_writers_last_lines(tmp_path, cluster_store):
+    """A file says nothing of its writer: the drain waits a quiet round more."""
+    _, store = cluster_store
+    path = _write(tmp_path / "logs", "[0]<stdout>:first\n")
+    out = io.StringIO()
+    follower = LogFollower(store, JOB, SUB, None, out, interval=0.1, files=[path])
+    stop = threading.Event()
+    thread = threading.Thread(target=follower.run, args=(stop,), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while "first" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    def writer_ends() -> None:
+        time.sleep(0.1)
+        _write(tmp_path / "logs", "[0]<stdout>:last words")
+    threading.Thread(target=writer_ends, daemon=True).start()
+    follower.drain()
+    thread.join(timeout=10)
+    assert out.getvalue() == "[0]<stdout>:first\n[0]<stdout>:last words\n"
+
+
+def test_the_newest_log_of_a_job_is_its_last_run(tmp_path):
+    root = tmp_path / "logs"
+    assert logs_module.last_log(root, JOB) is None  # no folder
+    old, new = _write(root, "[0]<stdout>:old\n", sub="aaaa"), _write(root, "x\n", sub="bbbb")
+    os.utime(old, (2_000_000_000, 2_000_000_000))
+    os.utime(new, (1_000_000_000, 1_000_000_000))
+    (root / JOB / "notes.txt").write_text("not a log")
+    (root / JOB / "cccc.log").mkdir()  # not a file
+    (root / JOB / "dddd.log").symlink_to(tmp_path / "elsewhere.log")
+    assert logs_module.last_log(root, JOB) == old
+    assert logs_module.last_log(root, "..") is None and logs_module.last_log(root, ".") is None
 
 
 # -- hostile clients: slow, large, many, a clock off -------------------------------------

@@ -156,8 +156,6 @@ def test_torchrun_form_means_what_torchrun_means(tmp_path):
         (["--host-discovery-script", "d.sh", "python", "train.py"], "not an executable file"),
         (["--host-discovery-script", "train.py", "-H", "localhost:2", "python", "train.py"],
          "only one of -H, --hostfile and --host-discovery-script"),
-        (["--elasticity", "fixed", "--min-np", "1", "--max-np", "2", "python", "train.py"],
-         "may not change size"),
         (["--max-restarts", "2", "-np", "1", "python", "live.py"], "re-forms live"),
         (["--min-np", "1", "--max-np", "2", "python", "hvd.py"], "does not use hvd.elastic"),
     ],

@@ -4,6 +4,7 @@ starts the group again with torchrun's variables; failures are counted once agai
 --max-restarts; slots are never oversubscribed; status tells the kind and the cost."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -169,3 +170,170 @@ def test_shrink_and_grow_by_restarts_without_oversubscribing(job_dir):
     assert starts[1] > 0 and starts[2] >= starts[1]  # each restart resumed its snapshot
     assert most <= 2  # never more workers than the machine's two slots
     assert all(r["restarts"] == 0 for r in recs)  # re-allocations are not failures
+
+
+# -- the work a stopped group loses; scripts that do not save; --elasticity fixed ---------
+REPO = Path(__file__).resolve().parents[2]
+
+# Saves a checkpoint after 6 s, then rank 1 fails 1.5 s later: the restart loses those
+# 1.5 s (plus the time to notice), not the 7.5 s the group ran. The second group waits
+# for the test's "finish" file.
+LOSSY = r'''
+import json, os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank, restarts = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+ckpt = sys.argv[1]
+state = json.load(open(os.path.join(ckpt, "state.json"))) if restarts else None
+print(json.dumps({"rank": rank, "restarts": restarts, "state": state}), flush=True)
+if restarts == 0:
+    time.sleep(6)
+    if rank == 0:
+        with open(os.path.join(ckpt, "state.json"), "w") as f:
+            json.dump({"step": 6}, f)
+    time.sleep(1.5)
+    if rank == 1:
+        sys.exit(3)
+while not os.path.exists("finish"):
+    time.sleep(0.1)
+dist.barrier()
+'''
+
+
+def test_stopped_group_lost_work_is_measured_from_its_checkpoint(tmp_path):
+    (tmp_path / "lossy.py").write_text(LOSSY)
+    url, ckpt, log = f"embedded://{tmp_path}/store.db", tmp_path / "ckpt", tmp_path / "out"
+    with open(log, "w") as f:
+        job = subprocess.Popen([POLLUX_RUN, "--store", url, "--job-name", "lossy", "-np", "2",
+                                "--min-np", "1", "--max-np", "2", "-H", "localhost:2",
+                                "--max-restarts", "1", "--restart-grace", "5",
+                                "--checkpoint-dir", str(ckpt), PYTHON, "lossy.py", str(ckpt)],
+                               cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT)
+    store = open_store(url)
+    try:
+        end = time.time() + 120
+        while time.time() < end and len([r for r in records(log.read_text())
+                                         if r["restarts"] == 1]) < 2:
+            time.sleep(0.1)
+        assert [r["state"] for r in records(log.read_text()) if r["restarts"] == 1] == \
+            [{"step": 6}] * 2, log.read_text()[-3000:]
+        gen = decode(JobGeneration, store.get(keys.job("lossy", "generation")).value)
+        assert (gen.restarts, gen.stops) == (1, 1), gen
+        assert 1.5 <= gen.lost_s < 5.5, gen  # since the checkpoint, not the group's start
+        table = render(store)
+        row = next(line for line in table.splitlines() if line.startswith("lossy"))
+        assert "1/1" in row and "1 stopped: lost 0m0" in row and "<=" not in row, table
+        node = table.splitlines()[1].split()  # NODE SLOTS USED RUNNING FREE
+        assert node[3] == "2", table  # the two live workers (local mode too)
+        (tmp_path / "finish").touch()
+        assert job.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+        store.close()
+    text = log.read_text()
+    assert "restart-elastic 1..2 replicas (script does not use the pollux API)" in text
+    assert "shows no sign of saving" not in text  # json.dump / json.load: it resumes
+    assert "its group was stopped" in text and "after its last checkpoint" in text
+
+
+def test_status_without_checkpoint_dir_shows_a_bound():
+    from pollux_launch.launcher.status import _restarts
+    from pollux_launch.messages import JobSpec
+
+    gen = JobGeneration(restarts=0, stops=2, lost_s=95.0)
+    spec = JobSpec(name="j", command=("x",), elasticity="restart", max_replicas=2)
+    assert _restarts(None, gen, spec) == "0/0, 2 stopped: lost <=1m35s"
+    spec = JobSpec(name="j", command=("x",), elasticity="restart", max_replicas=2,
+                   env={"POLLUX_CHECKPOINT_DIR": "/c"})
+    assert _restarts(None, gen, spec) == "0/0, 2 stopped: lost 1m35s"
+    assert _restarts(None, JobGeneration(), spec) == "0/0"
+
+
+NO_SAVE = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+
+
+@pytest.mark.parametrize("script", [
+    "tests/compat/torchrun_ddp.py", "tests/compat/deepspeed_cifar.py",
+    "tests/compat/hf_trainer_clm.py"])
+def test_scripts_that_save_and_resume_get_no_warning(script):
+    from pollux_launch.launcher.frameworks import saves_state, state_warning
+
+    assert saves_state(["python", script], REPO)
+    assert state_warning(["python", script], REPO, "restart") == ""
+    # (elastic_record.py only records what it saw, and saves no training state)
+    assert not saves_state(["python", "tests/compat/elastic_record.py"], REPO)
+
+
+def test_restart_elastic_script_without_saves_is_warned_and_can_run_fixed(tmp_path):
+    from pollux_launch.launcher.frameworks import state_warning
+    from pollux_launch.launcher.options import parse_launch_args
+
+    (tmp_path / "train.py").write_text(NO_SAVE)
+    (tmp_path / "saves.py").write_text(NO_SAVE + "import torch\ntorch.save({}, 'x')\n")
+    warn = state_warning(["python", "train.py"], tmp_path, "restart")
+    assert warn.startswith("warning: train.py shows no sign of saving") and "\n" not in warn
+    assert state_warning(["python", "train.py"], tmp_path, "fixed") == ""
+    assert state_warning(["python", "train.py"], tmp_path, "live") == ""
+    assert state_warning(["python", "saves.py"], tmp_path, "restart") != ""  # saves only
+    o = parse_launch_args(["-np", "2", "--max-np", "4", "python", "train.py"], cwd=tmp_path)
+    assert o.elasticity == "restart" and o.elasticity_warning == warn
+    assert o.worker_env["POLLUX_REFERENCE_WORLD_SIZE"] == "2"
+    o = parse_launch_args(["--elasticity", "fixed", "-np", "2", "--min-np", "1", "--max-np",
+                           "4", "python", "train.py"], cwd=tmp_path)
+    assert (o.elasticity, o.np, o.min_np, o.max_np) == ("fixed", 2, 2, 2)
+    assert o.elasticity_reason == ("as asked by --elasticity fixed; the --min-np/--max-np "
+                                   "range is ignored")
+    assert o.elasticity_warning == ""
+    # the lines a user sees, from a real launcher
+    url = f"embedded://{tmp_path}/store.db"
+    for argv, first, warned in (
+            (["-np", "1", "--max-np", "2"], "restart-elastic 1..2 replicas (script does not "
+             "use the pollux API)", True),
+            (["--elasticity", "fixed", "-np", "1", "--max-np", "2"], "fixed at 1 replica(s) "
+             "(as asked by --elasticity fixed; the --min-np/--max-np range is ignored)", False)):
+        r = subprocess.run([POLLUX_RUN, "--store", url, "--job-name", "nosave", "-H",
+                            "localhost:2", *argv, PYTHON, "train.py"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        lines = r.stdout.splitlines()
+        assert lines[0] == f"[pollux] job nosave: {first}", lines
+        assert (lines[1] == f"[pollux] job nosave: {warn}") is warned, lines
+
+
+def test_constant_batch_accumulation(monkeypatch, capsys):
+    from pollux_launch.constant_batch import accumulation_steps
+
+    monkeypatch.delenv("POLLUX_REFERENCE_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert accumulation_steps(3) == 3  # outside pollux-run: unchanged
+    monkeypatch.setenv("POLLUX_REFERENCE_WORLD_SIZE", "4")
+    assert accumulation_steps(1) == 4
+    assert accumulation_steps(2, world_size=8) == 1
+    assert accumulation_steps(1, world_size=2) == 2
+    assert capsys.readouterr().err == ""
+    assert accumulation_steps(1, world_size=3) == 1  # 4 cannot be split over 3
+    assert "cannot be split over 3 workers" in capsys.readouterr().err
+    monkeypatch.setenv("POLLUX_REFERENCE_WORLD_SIZE", "zero")
+    with pytest.raises(ValueError, match="POLLUX_REFERENCE_WORLD_SIZE"):
+        accumulation_steps(1)
+    with pytest.raises(ValueError, match="at least 1"):
+        accumulation_steps(0)
+
+
+def test_status_help_documents_every():
+    out = subprocess.run([POLLUX_RUN, "status", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0
+    assert "--every SECONDS" in out.stdout and "seconds between redraws" in out.stdout
+
+
+def test_newest_checkpoint_file(tmp_path):
+    from pollux_launch.launcher.restart import newest_mtime
+
+    assert newest_mtime(str(tmp_path)) is None and newest_mtime(str(tmp_path / "no")) is None
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name, when in (("old", 1000.0), ("a/b/new", 5000.0), ("a/mid", 3000.0)):
+        (tmp_path / name).write_text("x")
+        os.utime(tmp_path / name, (when, when))
+    assert newest_mtime(str(tmp_path)) == 5000.0
