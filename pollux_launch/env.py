@@ -44,6 +44,10 @@ POLICIES = "POLLUX_POLICIES"
 # the script allows (pollux_launch.tuning.tuner.batch_range)
 MIN_BATCH_SIZE = "POLLUX_MIN_BATCH_SIZE"
 MAX_BATCH_SIZE = "POLLUX_MAX_BATCH_SIZE"
+# A restart-elastic (or fixed) job's reference size: the world size its global batch is
+# written for (pollux-run -np); pollux_launch.constant_batch keeps per-device batch x
+# world x accumulation at that size's value when a restart changes WORLD_SIZE
+REFERENCE_WORLD_SIZE = "POLLUX_REFERENCE_WORLD_SIZE"
 DEEPSPEED_KEEP_STATE = "POLLUX_DEEPSPEED_KEEP_STATE"  # keep engine.restored_state (tests)
 # Horovod newcomers started warm (adapters/horovod/launch/warm.py): "0" in the launcher's
 # environment turns it off; the zygote's command (JSON); the socket a hand-off reaches it
@@ -51,6 +55,10 @@ DEEPSPEED_KEEP_STATE = "POLLUX_DEEPSPEED_KEEP_STATE"  # keep engine.restored_sta
 HVD_WARM = "POLLUX_HVD_WARM"
 HVD_WARM_COMMAND = "POLLUX_HVD_WARM_COMMAND"
 HVD_ZYGOTE = "POLLUX_HVD_ZYGOTE"
+
+# The user's state folder (XDG's name; unset or relative: ~/.local/state): a local
+# pollux-run keeps its job's output under it (launcher/logs.py: local_log_dir)
+STATE_HOME = "XDG_STATE_HOME"
 
 # The operator's secrets, read by pollux-run and its services from their environment
 # and NEVER passed on to a job's processes (WorkerGroup strips them): the cluster secret

@@ -46,6 +46,7 @@ from .frameworks import (
     detect_elasticity,
     detect_framework,
     framework_launch,
+    state_warning,
     uses_pollux_api,
 )
 from .hosts import HostsError, parse_hostfile, parse_hosts
@@ -419,7 +420,10 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         elasticity, why = detect_elasticity(framework, command, cwd, lo, hi, ns.elasticity)
     except ValueError as exc:
         raise OptionsError(str(exc)) from None
+    if elasticity == "fixed":  # (--elasticity fixed over a range: the job runs at -np)
+        lo = hi = np_
     max_restarts = ns.max_restarts or 0
+    state_note = state_warning(command, cwd, elasticity)
     torchrun = getattr(ns, "torchrun_form", False)
     _check_spec_bounds({
         "initial_replicas": np_, "min_replicas": lo, "max_replicas": hi,
@@ -432,11 +436,15 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
                            "service's policy (`pollux-run coordinator --policy ...`); drop "
                            "the flag here")
     if max_restarts and elasticity == "live":
-        raise OptionsError("--max-restarts: this job re-forms live (its survivors go on when a "
-                           "worker fails); restarts apply to restart-elastic and fixed jobs")
+        raise OptionsError("--max-restarts: this job re-forms live: when a worker fails, the "
+                           "others go on without it (a Horovod job run by horovodrun on one "
+                           "machine also starts a new worker in its slot); restarts apply to "
+                           "restart-elastic and fixed jobs")
     checkpoint_env = _checkpoint_env(ns, cwd)
     policy_env = _policy_env(ns, command, cwd)
     batch_env = _batch_env(ns)
+    if elasticity != "live":  # the size its global batch is written for (constant_batch)
+        batch_env[envvars.REFERENCE_WORLD_SIZE] = str(np_)
     if ns.output_filename:
         _writable_folder("--output-filename", ns.output_filename, cwd)
     return LaunchOptions(
@@ -452,7 +460,8 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         horovod_env=horovod_env, store_options=store_options(ns),
         worker_env={**worker_store_env(ns), **checkpoint_env, **policy_env, **batch_env},
         secret_file=ns.secret_file,
-        elasticity=elasticity, elasticity_reason=why, max_restarts=max_restarts,
+        elasticity=elasticity, elasticity_reason=why, elasticity_warning=state_note,
+        max_restarts=max_restarts,
         stop_grace=ns.restart_grace, reports_goodput=uses_pollux_api(command, cwd),
         min_batch_size=ns.min_batch_size, max_batch_size=ns.max_batch_size,
         gpus=parse_gpus(ns.gpus) if ns.gpus is not None else None,

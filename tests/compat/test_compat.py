@@ -710,7 +710,7 @@ def test_c_restart_elastic_grows_alone_from_one(baselines, tmp_path):
              "--snapshot", str(tmp_path / "snap.pt"),
              "--result", str(tmp_path / "result.json")], tmp_path)
     assert r.rc == 0, r.tail()
-    assert "job alone: restart-elastic 1..2 replicas (as asked by --elasticity)" in r.out, \
+    assert "job alone: restart-elastic 1..2 replicas (as asked by --elasticity restart)" in r.out, \
         r.out[:2000]
     got = load(tmp_path / "result.json")
     assert got["world_sizes"][-1] == 2, got["history"]

@@ -15,7 +15,9 @@ discovery script, see :mod:`.hosts`). Facts this encodes (measured with Horovod 
   a fresh Python that re-runs horovodrun's ``__main__`` file, and the ``horovodrun``
   console script imports ``horovod.runner.launch`` at module level (0.4-1 s per worker
   on a busy 2-core machine, ~0.15 s without). :func:`write_horovodrun_script` writes the
-  same entry point (``run_commandline()``) with its import under the ``__main__`` guard.
+  same entry point (``run_commandline()``) with its import under the ``__main__`` guard,
+  run by :func:`.local_run.main` (each replica a host of its own: a dead worker costs
+  one replica, not the job; removed workers' aborts kept to the job's log).
 """
 
 from __future__ import annotations
@@ -49,14 +51,15 @@ _HOROVODRUN_SCRIPT = """\
 import sys
 
 if __name__ == "__main__":  # (not when Horovod's spawned middleman re-runs this file)
-    from horovod.runner.launch import run_commandline
+    from pollux_launch.adapters.horovod.launch.local_run import main
 
-    sys.exit(run_commandline())
+    sys.exit(main())
 """
 
 
 def write_horovodrun_script(path: str | os.PathLike[str]) -> list[str]:
-    """Write horovodrun's entry point, import guarded (see the module docstring), as the
+    """Write horovodrun's entry point, import guarded and with :mod:`.local_run`'s
+    changes (see the module docstring), as the
     file ``path`` (name it ``horovodrun``: it names itself after it); returns the argv
     prefix that runs it (this Python, where Horovod is installed)."""
     path = Path(path)

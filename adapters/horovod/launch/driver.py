@@ -12,10 +12,13 @@ its host list and reads its exit code:
    its workers inherit its environment, so they get the ``POLLUX_*`` variables that let
    rank 0 report hints (:mod:`.control`);
 3. horovodrun's exit code is the job's: 0 succeeded, anything else failed. Workers that
-   a reset removed exit 134 inside horovodrun - expected, never a job failure.
+   a reset removed exit 134 inside horovodrun - expected, never a job failure: their
+   output from the reset on goes to the job's log only (:class:`TerminalFilter`), and
+   horovodrun says the change of size in one line (:mod:`.local_run`).
 
 On one machine (local mode) the driver is ``horovodrun`` itself (its entry point, import
-guarded: :func:`~.command.write_horovodrun_script`), with
+guarded, each replica a Horovod host of its own so that a dead worker costs one replica:
+:func:`~.command.write_horovodrun_script`, :mod:`.local_run`), with
 ``--network-interface lo`` (without it Horovod waits for a second host), and a job that
 may grow gets pre-started newcomers (:mod:`.warm`): horovodrun runs each worker through
 a hand-off shim, the job's first grow starts a warm zygote, and the mirror reports the
@@ -32,8 +35,10 @@ import logging
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 from pollux_launch import keys
 from pollux_launch.launcher.drivers import (
@@ -44,11 +49,13 @@ from pollux_launch.launcher.drivers import (
     WorkerGroup,
     replica_limit,
 )
+from pollux_launch.launcher.logs import LogSink
 from pollux_launch.messages import Allocation, JobSpec, NodeInfo, ValueLog
 
 from ..available import HorovodMissing, require_horovod
 from .command import horovodrun_command, write_horovodrun_script
 from .hosts import HostsFileMirror, hosts_from_allocation, write_discovery_script
+from .local_run import LOG_ONLY
 from .warm import WarmStart
 
 DRIVER_ID = "horovodrun"
@@ -61,8 +68,11 @@ class HorovodDriver(JobDriver):
 
     def __init__(self, spec: JobSpec, ctx: DriverContext) -> None:
         super().__init__(spec, ctx)
+        log_file = ctx.log_file(spec)
+        self.output = TerminalFilter(ctx.stdout or sys.stdout,
+                                     LogSink(log_file) if log_file else None)
         self.group = WorkerGroup(spec.name, (), spec.env, cwd=spec.workdir or None,
-                                 stdout=ctx.stdout, prefix_output=False)  # horovodrun prefixes
+                                 stdout=self.output, prefix_output=False)  # horovodrun prefixes
         self.mirror: HostsFileMirror | None = None
         self.warm: WarmStart | None = None
         self.folder: Path | None = None
@@ -157,7 +167,7 @@ class HorovodDriver(JobDriver):
             if hi is None or hi > self.spec.min_replicas:  # it may grow: newcomers pre-start
                 self.warm = WarmStart(self.spec.name, self.spec.command,
                                       {**self.spec.env, **env}, cwd=self.spec.workdir or None,
-                                      stdout=self.ctx.stdout)
+                                      stdout=self.output)
                 env = {**env, **self.warm.environment()}
             self.mirror = HostsFileMirror(
                 self.ctx.store, self.spec.name, hosts, addresses=self.addresses,
@@ -203,3 +213,39 @@ class HorovodDriver(JobDriver):
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
+        self.output.close()
+
+
+class TerminalFilter:
+    """horovodrun's output as the launcher prints it: every line to the job's log
+    (``sink``, where the node keeps one), and to the terminal (``terminal``) unless
+    horovodrun marked it :data:`~.local_run.LOG_ONLY` (the expected ends of workers that a
+    reset removed or a cancel stopped; without a log they are dropped: expected, and
+    Horovod's own record of them is its exit code, which the job's status reports).
+    ``write`` gets whole lines, or the pieces of one long line in turn."""
+
+    def __init__(self, terminal: IO[str], sink: LogSink | None) -> None:
+        self.terminal, self.sink = terminal, sink
+        self._quiet = False  # the line being written is for the log only
+        self._midline = False  # the last write ended inside a line
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            start = not self._midline
+            if start:
+                self._quiet = text.startswith(LOG_ONLY)
+            shown = text.removeprefix(LOG_ONLY) if start else text
+            if not self._quiet:
+                self.terminal.write(shown)
+            if self.sink is not None:
+                self.sink.write(shown)
+            self._midline = not text.endswith(("\n", "\r"))
+        return len(text)
+
+    def flush(self) -> None:
+        self.terminal.flush()
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()

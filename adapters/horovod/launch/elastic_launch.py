@@ -13,7 +13,10 @@ environment. It runs Horovod's own elastic gloo launcher (Horovod 0.28.1's
   rendezvous server; each node agent binds its own workers to its own interface.
 
 Exit status: 0 when every worker completed, 1 when Horovod reports a failed worker (its
-message on stderr), as ``horovodrun`` does.
+message on stderr), as ``horovodrun`` does; 128+SIG, quietly, when SIGTERM/SIGINT stopped
+it (a cancel: Horovod's report of the workers it ended is no failure). With
+:func:`~.local_run.install`'s changes (each change of size said in one ``[pollux]`` line;
+hosts here are nodes, so a failed worker takes its node out, as with horovodrun).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pollux_launch.rendezvous.store import Store, StoreError
 from pollux_launch.rendezvous.store.environ import store_from_env
 
 from .hosts import read_allocation
+from .local_run import LocalRun, install
 from .tasks import StoreExec, env_for_tasks
 
 log = logging.getLogger(__name__)
@@ -96,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
                                       "{activity}; raise --start-timeout"),
         output_filename=None, run_func_mode=False, nics={nic},
         prefix_output_with_timestamp=False)
+    run = LocalRun(job)
+    install(run)
     try:
         launch_gloo_elastic(command, StoreExec(store, job, command), settings,
                             env_for_tasks(os.environ), lambda driver: {nic},
                             RendezvousServer(settings.verbose), sys.executable)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # how Horovod's elastic launcher reports a failed job
+        if run.stopping is not None:
+            return 128 + run.stopping
         print(f"elastic_launch: {exc}", file=sys.stderr)
         return 1
     finally:

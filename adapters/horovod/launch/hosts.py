@@ -34,6 +34,9 @@ from pollux_launch.messages import Allocation, MessageError, ValueLog, decode
 from pollux_launch.rendezvous.store.base import Store
 
 log = logging.getLogger(__name__)
+# How long stop() waits for a refresh in progress (a watch is not waited out: it lasts
+# up to wait_timeout, 5 s, which every Horovod job's end used to wait).
+STOP_WAIT = 0.5
 
 
 def hosts_from_allocation(
@@ -135,6 +138,7 @@ class HostsFileMirror:
         self._text: str | None = None
         self._hosts: dict[str, int] | None = None  # the list last written
         self._stop = threading.Event()
+        self._refreshing = threading.Lock()  # held by the thread while it refreshes
         self._thread: threading.Thread | None = None
         self.values = ValueLog(log)  # a malformed allocation is said once per revision
 
@@ -178,7 +182,10 @@ class HostsFileMirror:
                     key, rev, self.hold_poll if self.holding else self.wait_timeout)
                 if events:
                     rev = events[-1].revision
-                self.refresh()  # also after a timeout: cheap, and heals any missed event
+                with self._refreshing:
+                    if self._stop.is_set():  # (stopped during the watch: the folder may go)
+                        return
+                    self.refresh()  # also after a timeout: cheap, heals any missed event
             except Exception as exc:  # store briefly unreachable or compacted: re-read later
                 self.error = exc
                 if self._stop.wait(0.5):
@@ -188,10 +195,14 @@ class HostsFileMirror:
                 except Exception:
                     continue
 
-    def stop(self) -> None:
+    def stop(self, wait: float = STOP_WAIT) -> None:
+        """End the follower: at once, or once a refresh in progress is done (up to
+        ``wait`` seconds). A watch in progress (up to ``wait_timeout``) is not waited
+        out: the thread (a daemon) returns when it wakes, and writes nothing after this."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            if self._refreshing.acquire(timeout=wait):
+                self._refreshing.release()
             self._thread = None
 
     def __enter__(self) -> HostsFileMirror:
