@@ -159,7 +159,10 @@ class EmbeddedStore(Store):
         self.prefix = "/" + prefix.strip("/") + "/" if prefix.strip("/") else "/"
         self.timeout, self.poll_interval, self.history = timeout, poll_interval, int(history)
         self._local = threading.local()
-        self._conns: list[sqlite3.Connection] = []
+        # every thread's connection, with its thread: close() closes only those no other
+        # live thread may be using (closing one under a thread inside sqlite crashes the
+        # process); the others are closed by their threads at their next use
+        self._conns: list[tuple[sqlite3.Connection, threading.Thread]] = []
         self._conns_lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
@@ -184,8 +187,10 @@ class EmbeddedStore(Store):
     # -- connections ---------------------------------------------------------------------
 
     def _conn(self) -> sqlite3.Connection:
-        """This thread's connection (SQLite connections must not cross threads or forks)."""
+        """This thread's connection (SQLite connections must not cross threads or forks).
+        Raises StoreError once the store is closed."""
         if self._closed:
+            self._close_mine()
             raise StoreError(f"{self!r} is closed")
         conn = getattr(self._local, "conn", None)
         if conn is not None and self._local.pid == os.getpid():
@@ -206,8 +211,18 @@ class EmbeddedStore(Store):
                 time.sleep(random.uniform(0.005, 0.05))
         self._local.conn, self._local.pid = conn, os.getpid()
         with self._conns_lock:
-            self._conns.append(conn)
+            self._conns.append((conn, threading.current_thread()))
         return conn
+
+    def _close_mine(self) -> None:
+        """Close this thread's connection (the store was closed while it was in use)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None or self._local.pid != os.getpid():
+            return
+        self._local.conn = None
+        with self._conns_lock:
+            self._conns = [(c, t) for c, t in self._conns if c is not conn]
+        conn.close()
 
     def _open(self) -> sqlite3.Connection:
         """A new connection in WAL mode with the schema in place (closed on failure)."""
@@ -408,6 +423,9 @@ class EmbeddedStore(Store):
                 if remaining <= 0:
                     return []
                 time.sleep(min(self.poll_interval, remaining))
+                if self._closed:  # (closed by another thread: this one's to close)
+                    self._close_mine()
+                    raise StoreError(f"{self!r} is closed")
         except sqlite3.Error as exc:
             raise self._error(exc) from None
 
@@ -432,7 +450,10 @@ class EmbeddedStore(Store):
         if self._closed:
             return
         self._closed = True
+        me = threading.current_thread()
         with self._conns_lock:
-            conns, self._conns = (self._conns if self._pid == os.getpid() else []), []
+            mine = self._conns if self._pid == os.getpid() else []
+            conns = [c for c, t in mine if t is me or not t.is_alive()]
+            self._conns = [(c, t) for c, t in mine if t is not me and t.is_alive()]
         for conn in conns:
             conn.close()

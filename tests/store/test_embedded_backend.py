@@ -67,3 +67,52 @@ def test_a_forked_child_opens_its_own_connection(tmp_path):
         assert store.get("child").value == '"from the child"'
         store.put("parent", "2")  # the parent's connection is untouched
         assert store.get("parent").value == "2"
+
+
+# Closes the store while other threads wait on it and write to it, many times over; each
+# of those threads must end with StoreError (or its wait's end), and the process must
+# not crash: a connection closed under a thread inside sqlite is a use-after-free (a
+# Horovod job's launcher died of SIGSEGV after its job succeeded: its hosts mirror was
+# still waiting on the store it closed).
+CLOSE_UNDER_THREADS = """
+import sys, threading, time
+from pollux_launch.rendezvous.store import StoreError, open_store
+
+path, rounds = sys.argv[1], int(sys.argv[2])
+for n in range(rounds):
+    store = open_store(f"embedded://{path}", poll_interval=0.001)
+    ended = []
+
+    def waiter():
+        try:
+            store.wait("w/", store.revision(), 30)
+        except StoreError:
+            ended.append("closed")
+
+    def writer():
+        try:
+            for i in range(10**6):
+                store.put(f"k/{i % 7}", str(i))
+        except StoreError:
+            ended.append("closed")
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (waiter, waiter, writer)]
+    for t in threads:
+        t.start()
+    time.sleep(0.02 + (n % 5) * 0.005)
+    store.close()
+    for t in threads:
+        t.join(5)
+    assert ended == ["closed"] * 3, (n, ended)
+print("ok")
+"""
+
+
+def test_closing_the_store_under_waiting_and_writing_threads_ends_them_safely(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", CLOSE_UNDER_THREADS, str(tmp_path / "s.db"),
+                           "40"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", \
+        (done.returncode, done.stderr[-2000:])
