@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pollux_launch.elastic.adaptation import AdaptationPolicy
 from pollux_launch.elastic.controller import checkpoint_writer
 from pollux_launch.elastic.factory import JobDescription, build_controller
-from pollux_launch.elastic.failures import first_line
+from pollux_launch.elastic.failures import first_line, is_peer_failure
 from pollux_launch.rendezvous.process_group import (
     broadcast_state,
     release_at_exit,
@@ -502,8 +502,15 @@ class _ShardedHooks(_TorchHooks):
             if from_rank0 and self._any(captured is not None):
                 return self._load(captured)
             return None
-        lost = self._any(self._lost or (handed is None and t.job.worker not in
-                                        info.newcomers))
+        mine = self._lost or (handed is None and t.job.worker not in info.newcomers)
+        try:
+            lost = self._any(mine)
+        except Exception as exc:
+            # a peer of the new group (a newcomer stopped before it joined) died in the
+            # vote: a rank that lost a shard knows the answer without it
+            if not (mine and is_peer_failure(exc)):
+                raise
+            lost = True
         self._lost = False
         if lost:
             raise self._lost_shard()
