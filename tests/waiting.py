@@ -1,8 +1,11 @@
-"""Waiting in tests: poll a condition until it holds or a deadline passes."""
+"""Waiting in tests: poll a condition until it holds or a deadline passes, and read the
+records a running worker is still writing."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 
 def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
@@ -15,3 +18,16 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def jsonl_records(path: Path) -> list[dict]:
+    """The records of a JSON-lines file a process may still be writing (none if it is
+    not there yet; a line being written is skipped)."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line being written
+                pass
+    return out

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from waiting import jsonl_records as log_records  # tests/waiting.py
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -141,17 +142,6 @@ def kill_group(proc: subprocess.Popen) -> None:
 def load(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)
-
-
-def log_records(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
-    return out
 
 
 def assert_same_result(got: dict, want: dict, what: str) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from waiting import jsonl_records as records  # tests/waiting.py
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/install-horovod.sh")
 
@@ -47,17 +48,6 @@ def env() -> dict[str, str]:
     for name in ("POLLUX_STORE", "POLLUX_STORE_PREFIX", "POLLUX_JOB"):
         e.pop(name, None)
     return e
-
-
-def records(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
-    return out
 
 
 def wait_for(proc: subprocess.Popen, pred, what: str, timeout: float = 120) -> None:
