@@ -3,7 +3,9 @@
 FSDP2 has no public way to move a sharded model to another mesh: this module is the one
 place that reaches into its internals (torch 2.11-2.13: ``FSDPParamGroup.mesh_info``,
 ``FSDPParam._init_sharded_param`` and the padded ``_sharded_param_data``), and
-``tests/adapters/test_fsdp_reshard.py`` fails the day they change.
+``tests/adapters/test_fsdp_reshard.py`` fails the day they change. The two shapes of
+``_init_sharded_param`` seen so far (2.13 takes the mesh info, 2.11 reads it from the
+parameter) are told apart by its signature: ``tests/gpu`` ran 2.11 on a GPU machine.
 
 A model is re-sharded in two phases (:mod:`pollux_launch.rendezvous.reshard`):
 :meth:`FSDPResharder.hand_off` on the old group, once the new round is known (survivors
@@ -17,6 +19,8 @@ its parameter (Adam's moments) is re-sharded beside it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import time
 from collections.abc import Sequence
@@ -304,6 +308,21 @@ def _param_group(module: nn.Module) -> Any:
     return module._get_fsdp_state()._fsdp_param_group
 
 
+@functools.cache
+def _takes_mesh_info(cls: type) -> bool:
+    return "mesh_info" in inspect.signature(cls._init_sharded_param).parameters
+
+
+def _init_sharded_param(fp: Any, meta: nn.Parameter, info: Any) -> None:
+    """``FSDPParam._init_sharded_param`` on the mesh ``info``, in either of its shapes
+    (module docstring)."""
+    if _takes_mesh_info(type(fp)):
+        fp._init_sharded_param(meta, fp.device, None, info)
+    else:  # torch 2.11-2.12: the mesh is the parameter's own attribute
+        fp.mesh_info = info
+        fp._init_sharded_param(meta, fp.device, None)
+
+
 @torch.no_grad()
 def _reinit(fp: Any, info: Any, post: Any, padded: torch.Tensor) -> None:
     """Point one FSDPParam at the new mesh with ``padded`` (its new padded shard) as its
@@ -312,7 +331,7 @@ def _reinit(fp: Any, info: Any, post: Any, padded: torch.Tensor) -> None:
     meta = nn.Parameter(torch.empty(fp._orig_size, dtype=padded.dtype, device="meta"),
                         requires_grad=keep.requires_grad)
     fp.post_forward_mesh_info = post
-    fp._init_sharded_param(meta, fp.device, None, info)  # sizes, spec and mesh; no memory
+    _init_sharded_param(fp, meta, info)  # sizes, spec and mesh; no memory
     if post is not None:
         fp._init_sharded_post_forward_param_metadata(meta)
     if tuple(padded.shape) != tuple(fp.padded_sharded_param_size):

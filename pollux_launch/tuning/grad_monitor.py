@@ -62,15 +62,23 @@ def _sqr(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dtype=torch.float32).square()
 
 
+def _sum_parts(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of 0-d tensors as a float64 0-d tensor: on a GPU three kernels whatever
+    their number (a kernel launch costs more host time than the arithmetic)."""
+    if all(p.dtype == parts[0].dtype for p in parts):
+        return torch.stack(list(parts)).double().sum()
+    return torch.stack([p.double() for p in parts]).sum()
+
+
 def _sqr_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``sum_i |t_i|^2`` as a float64 0-d tensor."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
     if tensors[0].device.type == "cpu":
-        parts = [_sqr(t) for t in tensors]
-    else:  # one fused kernel for the whole list
-        parts = [n.square() for n in torch._foreach_norm(list(tensors), 2, dtype=torch.float32)]
-    return torch.stack([p.double() for p in parts]).sum()
+        return _sum_parts([_sqr(t) for t in tensors])
+    # one fused norm kernel for the whole list, then the squares summed in float64
+    norms = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
+    return torch.linalg.vector_norm(norms, dtype=torch.float64).square()
 
 
 class GradientNoiseMonitor:
@@ -234,7 +242,7 @@ class GradientNoiseMonitor:
             return
         t0 = self._clock()
         if self._parts:
-            local = torch.stack([p.double() for p in self._parts]).sum()
+            local = _sum_parts(self._parts)
         else:
             local = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         self._parts = []

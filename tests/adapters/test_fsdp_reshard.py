@@ -208,3 +208,27 @@ def test_the_noise_scale_from_shards_equals_ddps(tmp_path: Path) -> None:
     assert got[True][0] == got[True][1]  # every replica records the same
     for ddp_row, fsdp_row in zip(got[False][0], got[True][0], strict=True):
         assert fsdp_row == pytest.approx(ddp_row, rel=1e-5)
+
+
+def test_fsdp_internal_init_is_called_in_the_shape_of_the_installed_torch() -> None:
+    """``FSDPParam._init_sharded_param`` takes the mesh info from torch 2.13 on and reads
+    it from the parameter before (2.11 on the GPU machine): each shape gets its call."""
+    from pollux_launch.adapters.torch.fsdp import _init_sharded_param
+
+    class New:  # torch 2.13's shape
+        device = "cpu"
+
+        def _init_sharded_param(self, param, device, shard_placement_fn, mesh_info):
+            self.seen = (param, device, shard_placement_fn, mesh_info)
+
+    class Old:  # torch 2.11's
+        device = "cpu"
+        mesh_info = "stale"
+
+        def _init_sharded_param(self, param, device, shard_placement_fn):
+            self.seen = (param, device, shard_placement_fn, self.mesh_info)
+
+    for cls in (New, Old):
+        fp = cls()
+        _init_sharded_param(fp, "meta-param", "new-mesh")
+        assert fp.seen == ("meta-param", "cpu", None, "new-mesh")

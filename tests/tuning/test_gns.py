@@ -397,3 +397,21 @@ def test_differenced_estimator_with_an_interval_uses_consecutive_steps():
     assert measured[4:12] == [True, False, False, True] * 2  # capture at 4k-1, estimate at 4k
     assert mon.stats().noise_scale == pytest.approx(true_b, rel=0.3)
     assert mon.estimator.updates == 1200 // 4 - 1
+
+
+def test_squared_norm_sums_are_exact_in_float64_for_mixed_dtypes():
+    """The monitor's sums of squared norms (one stack and one cast for a list of one
+    dtype, a cast per part otherwise) equal a float64 reference."""
+    from pollux_launch.tuning.grad_monitor import _sqr_sum, _sum_parts
+
+    g = torch.Generator().manual_seed(3)
+    same = [torch.randn(17, 5, generator=g), torch.randn(300, generator=g)]
+    mixed = [*same, torch.randn(40, generator=g, dtype=torch.float64),
+             torch.randn(9, generator=g).to(torch.bfloat16)]
+    for tensors in (same, mixed):
+        want = sum(float(t.double().square().sum()) for t in tensors)
+        got = _sqr_sum(tensors)
+        assert got.dtype == torch.float64
+        assert float(got) == pytest.approx(want, rel=1e-5)
+    parts = [torch.tensor(1.5), torch.tensor(2.0, dtype=torch.float64)]
+    assert float(_sum_parts(parts)) == 3.5 and _sum_parts(parts).dtype == torch.float64
