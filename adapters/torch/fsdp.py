@@ -231,6 +231,18 @@ class FSDPResharder:
         self._pending = None
         self._install(entries, holdings, mesh)
 
+    def blank(self, new: Sequence[str], me: str, mesh: Any) -> None:
+        """New group, after a failure took a shard: re-point FSDP at ``mesh`` with new,
+        unfilled shards of this rank's size (a durable checkpoint is loaded into them
+        next). A survivor's; a newcomer's model is on ``mesh`` already."""
+        new = tuple(new)
+        j = new.index(me)
+        entries = self.entries()
+        holdings = {e.key: Holding(new=self._new_local(e, self._old_local(e), len(new), j))
+                    for e in entries}
+        self._pending = None  # (a hand-off cut short by the failure)
+        self._install(entries, holdings, mesh)
+
     def _repoint(self, mesh: Any) -> Any:
         """Every FSDP group at ``mesh``; returns its mesh info."""
         info = _fsdp()._fsdp_param_group.FSDPMeshInfo(mesh, shard_mesh_dim=0)
@@ -306,6 +318,34 @@ def _param_group(module: nn.Module) -> Any:
     if not isinstance(module, FSDPModule):
         return None
     return module._get_fsdp_state()._fsdp_param_group
+
+
+def reset_iteration(model: nn.Module) -> None:
+    """FSDP's per-iteration state back to idle and sharded after a failure cut a forward
+    or backward short (the failed iteration's gradients are dropped): torch 2.13's
+    ``FSDPModule.reset_iter_state`` on the root; before it, the same fields by hand."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return
+    for m in model.modules():  # a failed all-gather's: waiting on it would raise its error
+        g = _param_group(m)    # again, and nothing of it is read
+        if g is not None:
+            g._all_gather_result = None
+    if hasattr(model, "reset_iter_state"):
+        model.reset_iter_state()
+        return
+    fs = _fsdp()
+    state = model._get_fsdp_state()
+    for st in state._state_ctx.all_states:  # torch 2.11-2.12
+        st._training_state = fs._fsdp_common.TrainingState.IDLE
+        g = st._fsdp_param_group
+        if g is not None:
+            g._post_forward_indices.clear()
+            g._training_state = fs._fsdp_common.TrainingState.IDLE
+            g._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
 
 
 @functools.cache

@@ -51,15 +51,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pollux_launch.elastic.adaptation import AdaptationPolicy
 from pollux_launch.elastic.controller import checkpoint_writer
 from pollux_launch.elastic.factory import JobDescription, build_controller
-from pollux_launch.elastic.failures import first_line, is_peer_failure
+from pollux_launch.elastic.failures import StateLost, first_line, is_peer_failure
 from pollux_launch.rendezvous.process_group import (
     broadcast_state,
     release_at_exit,
@@ -71,7 +73,15 @@ from pollux_launch.tuning.hooks import attach_measurement
 from pollux_launch.tuning.tuner import default_lr_rule
 
 from .data import AdaptiveDataLoader
-from .fsdp import FSDPResharder, ShardingError, is_sharded, load_sharded, save_sharded, shard_model
+from .fsdp import (
+    FSDPResharder,
+    ShardingError,
+    is_sharded,
+    load_sharded,
+    reset_iteration,
+    save_sharded,
+    shard_model,
+)
 from .job import ElasticJob, JobCollectives, init
 
 log = logging.getLogger(__name__)
@@ -102,8 +112,8 @@ class ElasticTrainer:
         model = _sharded(model, optimizer, sharding, self.job)
         self._resharder = FSDPResharder(model, optimizer) if is_sharded(model) else None
         # FSDP's forward all-gathers: a peer dying there re-forms the job (as in DDP's)
-        self._guarded = (_Guarded(model, self._forward_failed) if self._resharder is not None
-                         and self.job.elastic else None)
+        self._guarded = (_Guarded(model, self._forward_failed, self._sharded_forward_failed)
+                         if self._resharder is not None and self.job.elastic else None)
         self.module, self.optimizer, self.loader = model, optimizer, loader
         self.lr_scheduler, self.grad_scaler = lr_scheduler, grad_scaler
         self.max_grad_norm = max_grad_norm
@@ -111,6 +121,7 @@ class ElasticTrainer:
         self._extra: dict[str, Any] = {}
         self._ddp: DistributedDataParallel | None = None
         self._discard = False  # the forward of this micro-batch met a peer's failure
+        self._failed: RuntimeError | None = None  # a sharded forward's, recovered in step()
         description = JobDescription(  # (checks the batch range first)
             init_batch_size=loader.init_batch_size, max_batch_size=loader.max_batch_size,
             min_batch_size=loader.min_batch_size, local_bsz_bounds=loader.local_bsz_bounds,
@@ -206,6 +217,9 @@ class ElasticTrainer:
             self._discard = False
             self.optimizer.zero_grad(set_to_none=True)
             return False
+        if self._failed is not None:  # a sharded forward failed: re-form here (_Guarded)
+            exc, self._failed = self._failed, None
+            return self._dropped(exc)
         loader = self.loader
         sync = loader.is_sync_step
         if loader.accum_steps:  # average, not sum, over the micro-batches of a step
@@ -219,17 +233,23 @@ class ElasticTrainer:
                 with self.hooks.accumulate(), (self._ddp.no_sync() if self._ddp is not None
                                                else contextlib.nullcontext()):
                     loss.backward()
+            # (its collectives too: the monitor's all-reduce of local norms, waited here,
+            # and a sharded model's gradient clipping; nothing is stepped before them)
+            self.hooks.micro_step_done(sync, None if self._comm is None
+                                       else self._comm.take() if sync else 0.0)
+            if sync:
+                self._optimizer_step()
         except RuntimeError as exc:
-            self.optimizer.zero_grad(set_to_none=True)
-            if not self.controller.recover(exc):
-                raise
-            return False
-        self.hooks.micro_step_done(sync, None if self._comm is None
-                                   else self._comm.take() if sync else 0.0)
-        if not sync:
-            return False
-        self._optimizer_step()
-        return True
+            return self._dropped(exc)
+        return sync
+
+    def _dropped(self, exc: RuntimeError) -> bool:
+        """A collective of this step failed: if a peer's failure, the job re-forms and the
+        step is dropped (False); anything else is raised."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.controller.recover(exc):
+            raise exc
+        return False
 
     def status(self) -> dict[str, Any]:
         """What the tuner sees now (for logs): replicas, batch shape, LR, efficiency..."""
@@ -312,12 +332,23 @@ class ElasticTrainer:
     def _forward_failed(self, exc: RuntimeError, inputs: tuple, kwargs: dict) -> Any:
         """DDP's forward runs collectives of its own (the bucket rebuild after the first
         step, buffer broadcasts), FSDP's its all-gathers: a peer dying there re-forms the
-        job like any failure (a sharded job's fails: a shard was lost), and the caller
-        gets the local module's output, whose step ``step()`` drops."""
+        job like any failure, and the caller gets the local module's output, whose step
+        ``step()`` drops (a sharded model's only before its first forward succeeded:
+        :meth:`_sharded_forward_failed` after)."""
         if not self.controller.recover(exc):
             raise exc
         self._discard = True
         return self.module(*inputs, **kwargs)
+
+    def _sharded_forward_failed(self, exc: RuntimeError, stand_in: Any) -> Any:
+        """FSDP's forward met a failure: the caller gets ``stand_in`` (zeros shaped like
+        the output), and ``step()`` re-forms the job. A forward run again here would
+        all-gather on the new group, out of step with a newcomer's first forward (or a
+        survivor that failed in its backward), so nothing of it runs on the new group."""
+        if not is_peer_failure(exc):
+            raise exc
+        self._failed = exc
+        return stand_in
 
     # -- state -------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -471,6 +502,7 @@ class _ShardedHooks(_TorchHooks):
 
     def capture(self, controller_state: dict[str, Any]) -> Any:
         self._settle()
+        reset_iteration(self.t.module)  # (after a failure: FSDP was cut short mid-step)
         return None
 
     def hand_off(self, old: tuple[str, ...], new: tuple[str, ...], me: str) -> None:
@@ -507,13 +539,14 @@ class _ShardedHooks(_TorchHooks):
             lost = self._any(mine)
         except Exception as exc:
             # a peer of the new group (a newcomer stopped before it joined) died in the
-            # vote: a rank that lost a shard knows the answer without it
+            # vote: a rank that lost a shard knows the answer without it, and this
+            # group cannot load a checkpoint either
             if not (mine and is_peer_failure(exc)):
                 raise
-            lost = True
+            raise self._lost_shard(resumable=True) from None
         self._lost = False
         if lost:
-            raise self._lost_shard()
+            raise StateLost(self._lost_shard(resumable=False), self._reload)
         newcomer = t.job.worker in info.newcomers
         mine = None
         if p.rank == 0:
@@ -535,16 +568,32 @@ class _ShardedHooks(_TorchHooks):
         vote = torch.tensor([float(flag)], dtype=torch.float64)
         return bool(self.t.controller.group.allreduce(vote, "max", "pollux.vote")[0])
 
-    def _lost_shard(self) -> ShardingError:
-        """A failure took a rank and its shard, which no peer holds: the job cannot go
-        on in place (what to do instead, in one line)."""
+    def _lost_shard(self, resumable: bool) -> ShardingError:
+        """A failure took a rank and its shard, which no peer holds, and the job cannot
+        go on from a checkpoint in place (``resumable``: one may exist, this group could
+        not load it): what to do instead, in one line."""
         ckpts = self.t.controller.checkpoints
-        resume = (f"launch it again with --checkpoint-dir {ckpts.directory} to resume from "
-                  "its newest sharded checkpoint" if ckpts is not None else
-                  "pollux-run --checkpoint-dir DIR keeps durable sharded checkpoints to "
-                  "resume from")
+        if ckpts is None:
+            resume = ("pollux-run --checkpoint-dir DIR keeps durable sharded checkpoints "
+                      "that such a job goes on from")
+        elif resumable:
+            resume = (f"launch it again with --checkpoint-dir {ckpts.directory} to resume "
+                      "from its newest sharded checkpoint")
+        else:
+            resume = (f"{ckpts.directory} holds no checkpoint to go on from yet "
+                      "(--checkpoint-interval sets how often one is written)")
         return ShardingError("a worker of this sharded job failed: its shard of the model is "
                              f"lost and cannot be rebuilt from its peers; {resume}")
+
+    def _reload(self, captured: dict[str, Any] | None) -> dict[str, Any] | None:
+        """After ``StateLost``: every rank of the new group loads the checkpoint the
+        controller found (a survivor first re-points its model at the new mesh)."""
+        t = self.t
+        info = t.job.info
+        assert info is not None and t._resharder is not None
+        if t.job.worker not in info.newcomers:
+            t._resharder.blank(tuple(info.members), t.job.worker, t.job.device_mesh())
+        return self._load(captured)
 
     def _load(self, captured: dict[str, Any] | None) -> dict[str, Any] | None:
         """Every rank: the checkpoint rank 0 ``captured`` (``restore_checkpoint``): its
@@ -616,20 +665,62 @@ def _steps_on_cpu(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> di
 
 
 class _Guarded(torch.nn.Module):
-    """A sharded module whose forward hands a collective's failure to the trainer
-    (``on_failure``), as ``_ElasticDDP`` does for DDP: a peer's death in FSDP's
-    all-gathers ends the job with the one line saying why, not gloo's traceback."""
+    """A sharded module whose forward hands a collective's failure to the trainer, as
+    ``_ElasticDDP`` does for DDP: with zeros shaped like the last output
+    (``on_failure_with``; the batch dimension follows the input's), or, before any
+    forward succeeded, for a forward run again on the new group (``on_failure``)."""
 
-    def __init__(self, module: torch.nn.Module, on_failure: Any) -> None:
+    def __init__(self, module: torch.nn.Module, on_failure: Any, on_failure_with: Any
+                 ) -> None:
         super().__init__()
         self.module = module
-        self._on_failure = on_failure
+        self._on_failure, self._on_failure_with = on_failure, on_failure_with
+        self._shape: tuple[Any, list[Any], int | None] | None = None  # the last output's
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:
-            return self.module(*inputs, **kwargs)
+            out = self.module(*inputs, **kwargs)
         except RuntimeError as exc:
-            return self._on_failure(exc, inputs, kwargs)
+            if self._shape is None:
+                return self._on_failure(exc, inputs, kwargs)
+            return self._on_failure_with(exc, self._zeros(inputs, kwargs))
+        leaves, spec = tree_flatten(out)  # (metadata only: no tensor is kept or read)
+        self._shape = (spec, [_Leaf(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor)
+                              else t for t in leaves], _batch_of(inputs, kwargs))
+        return out
+
+    def _zeros(self, inputs: tuple, kwargs: dict) -> Any:
+        assert self._shape is not None
+        spec, leaves, then = self._shape
+        now = _batch_of(inputs, kwargs)
+        out = []
+        for leaf in leaves:
+            if not isinstance(leaf, _Leaf):
+                out.append(leaf)
+                continue
+            shape, dtype, device = leaf.shape, leaf.dtype, leaf.device
+            if shape and then and now and shape[0] % then == 0:  # (B, ...) or (B * S, ...)
+                shape = torch.Size((shape[0] // then * now, *shape[1:]))
+            out.append(torch.zeros(shape, dtype=dtype, device=device,
+                                   requires_grad=dtype.is_floating_point))
+        return tree_unflatten(out, spec)
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A tensor of an output, as its shape (no tensor kept)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _batch_of(inputs: tuple, kwargs: dict) -> int | None:
+    """The first tensor argument's leading dimension (the micro-batch), if any."""
+    for x in (*inputs, *kwargs.values()):
+        if isinstance(x, torch.Tensor) and x.dim():
+            return int(x.shape[0])
+    return None
 
 
 class _ElasticDDP(DistributedDataParallel):

@@ -68,7 +68,7 @@ from pollux_launch.tuning.tuner import GoodputTuner
 
 from .adaptation import AdaptationPolicy, GoodputPolicy, PolicyContext, fit_total, resolve_batch
 from .checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint
-from .failures import first_line, is_peer_failure
+from .failures import StateLost, first_line, is_peer_failure
 from .hints import HintsReporter
 from .protocols import Collectives, FrameworkHooks, MemberRemoved, Membership
 
@@ -303,9 +303,22 @@ class ElasticController:
             getattr(policy, hook)(self.ctx)
 
     def _rebuild(self, captured: Any, from_rank0: bool) -> None:
-        received = self.hooks.rebuild(captured, self.state_dict(), from_rank0)
+        try:
+            received = self.hooks.rebuild(captured, self.state_dict(), from_rank0)
+        except StateLost as lost:
+            received = self._resume_lost(lost)
         if received is not None:
             self.load_state_dict(received)
+
+    def _resume_lost(self, lost: StateLost) -> dict[str, Any] | None:
+        """Every rank of the new group (``StateLost``): the newest durable checkpoint,
+        loaded by all of them, or the one-line error when there is none."""
+        resumed = self._resume(why="a failed worker took state its peers do not hold: ")
+        if resumed is None:
+            raise lost.error from None
+        captured, state = resumed
+        self.load_state_dict(state)  # (elsewhere than on rank 0 its own: reload brings it)
+        return lost.reload(captured)
 
     # -- step boundaries ------------------------------------------------------------------
     def after_step(self, batch_size: int) -> None:
@@ -565,10 +578,11 @@ class ElasticController:
                               replicas=self.group.world_size, wait=wait, pending=pending,
                               shards=shards)
 
-    def _resume(self) -> tuple[Any, dict[str, Any]] | None:
+    def _resume(self, why: str = "") -> tuple[Any, dict[str, Any]] | None:
         """Rank 0 loads the newest checkpoint, if there is one; every rank (all of them
         fresh, all here) learns whether it did (one broadcast). Returns, on rank 0,
-        what ``hooks.rebuild`` takes and the controller state; elsewhere (None, {})."""
+        what ``hooks.rebuild`` takes and the controller state; elsewhere (None, {}).
+        ``why`` starts the line that says so."""
         g = self.group
         loaded = torch.zeros(1, dtype=torch.float64)
         found = None
@@ -587,8 +601,8 @@ class ElasticController:
                 if found is not None:
                     self.resumed_from = ckpt.progress
                     loaded[0] = 1
-                    log.warning("resumed from %s (step %d, %.0f iterations of progress, "
-                                "taken on %d replicas)", ckpt.path, ckpt.step, ckpt.progress,
+                    log.warning("%sresumed from %s (step %d, %.0f iterations of progress, "
+                                "taken on %d replicas)", why, ckpt.path, ckpt.step, ckpt.progress,
                                 ckpt.replicas)
                     if self.membership is not None:
                         self.membership.credit_resumed(ckpt.progress)

@@ -12,9 +12,12 @@ fallback is logged (once per kind of message) so that it stays visible.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
+from ..errors import PolluxError, UserError
 from ..peer_failure import gloo_says_peer_failed
 
 log = logging.getLogger(__name__)
@@ -43,3 +46,21 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (no traceback walls in logs)."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+class StateLost(PolluxError):
+    """A peer's failure took training state that no survivor holds (a sharded model's
+    shard): the new group cannot go on from the survivors' state.
+
+    Raised by ``FrameworkHooks.rebuild`` on every rank of the new group alike (they vote
+    first). The controller then resumes the whole group from the newest durable
+    checkpoint - ``reload(captured)`` is the hooks' own loading of one, with what
+    ``restore_checkpoint`` returned on rank 0 and None elsewhere, returning the
+    controller state on the ranks that did not load it - or, with none, raises
+    ``error``: one line saying what was lost and how to resume.
+    """
+
+    def __init__(self, error: UserError,
+                 reload: Callable[[Any], dict[str, Any] | None]) -> None:
+        super().__init__(str(error))
+        self.error, self.reload = error, reload

@@ -125,7 +125,8 @@ class FrameworkHooks(Protocol):
     # Optional - adapters of sharded state define it (the controller looks it up):
     # hand_off(old_members, new_members, worker) on the old group once the new round is
     # known, every member of the old group (``Membership.next_round``); a leaver's part
-    # of a rescale ends there.
+    # of a rescale ends there. ``rebuild`` may raise ``failures.StateLost`` (every rank
+    # of the new group alike): the controller resumes the group from a checkpoint.
 
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool
                          ) -> dict[str, Any] | None:

@@ -88,11 +88,13 @@ pending = []
 for _ in trainer.epochs(10_000):
     for xb, yb, idx in loader:
         epoch = loader.epoch
-        pending.extend(idx.tolist())
+        pending.append((job.placement.round, idx.tolist()))
         if trainer.step(F.cross_entropy(trainer.model(xb), yb)):
             p = job.placement
+            # (a micro-batch of an older round was in a step a failure dropped)
             write(kind="step", epoch=epoch, round=p.round, world=p.world_size, rank=p.rank,
-                  pid=os.getpid(), indices=pending, step=trainer.steps)
+                  pid=os.getpid(), step=trainer.steps,
+                  indices=[i for rnd, ix in pending if rnd == p.round for i in ix])
             pending = []
             if trainer.steps == SAVE_AT:
                 trainer.save_checkpoint(wait=True)

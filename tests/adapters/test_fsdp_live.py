@@ -83,6 +83,55 @@ def test_a_sigkilled_rank_of_a_sharded_job_fails_it_saying_why(tmp_path: Path, c
     assert "its shard of the model is lost" in capfd.readouterr().out
 
 
+def test_a_sigkilled_rank_of_a_sharded_job_with_a_checkpoint_goes_on_from_it(
+        tmp_path: Path, capfd) -> None:
+    """The dead rank's shard is lost, but the job keeps durable sharded checkpoints: the
+    survivors keep their processes, and with any worker started in the dead one's place
+    load the newest checkpoint on the new group and train on, saying so in one line. The
+    state right after equals the checkpoint's on every rank; in the steps the final
+    model carries, each epoch saw every sample exactly once."""
+    save_at = 4
+    env = {"N": str(N), "SHARDING": "", "CKPT_DIR": str(tmp_path / "ckpt"),
+           "SAVE_AT": str(save_at)}
+    with agent_job(tmp_path, "sr", WORKER, env) as job:
+        job.allocate(3)
+
+        def steps() -> list[dict]:
+            return [r for rs in job.records().values() for r in rs if r["kind"] == "step"]
+
+        saved = wait_for(lambda: next((r for rs in job.records().values() for r in rs
+                                       if r["kind"] == "saved"), None), 180, "the save")
+        victim = wait_for(lambda: next((r["pid"] for r in steps() if r["rank"] == 2
+                                        and r["step"] >= save_at + 3), None),
+                          180, f"{save_at + 3} steps of rank 2")
+        kill_round = max(r["round"] for r in steps())
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: sum(1 for r in steps() if r["round"] > kill_round and r["rank"] == 0)
+                 >= 6, 180, "6 steps after the failure")
+        (job.log_dir / "stop").touch()
+        status = job.finished(180)
+        assert status.state == "succeeded", status
+        logs = job.records()
+    assert "took state its peers do not hold: resumed from" in capfd.readouterr().out
+    states = [r for rs in logs.values() for r in rs
+              if r["kind"] == "state" and r["when"] == "rescale" and r["round"] > kill_round]
+    first = min(r["round"] for r in states)
+    resumed = [r for r in states if r["round"] == first]
+    assert resumed and {(r["step"], r["digest"]) for r in resumed} == {
+        (save_at, saved["digest"])}, resumed
+    carried = [r for rs in logs.values() for r in rs if r["kind"] == "step"
+               and (r["round"] > kill_round or r["step"] <= save_at)]
+    seen: dict[int, Counter] = defaultdict(Counter)
+    for r in carried:
+        seen[r["epoch"]].update(r["indices"])
+    for epoch, counts in seen.items():
+        assert set(counts) == set(range(N)) or epoch == max(seen), f"epoch {epoch} missed"
+        assert max(counts.values()) == 1, f"epoch {epoch} saw a sample twice"
+    survivors = {r["pid"] for r in carried if r["round"] > kill_round} - {victim}
+    before = {r["pid"] for r in carried if r["round"] <= kill_round}
+    assert survivors & before, "the survivors kept their processes"
+
+
 def test_a_sharded_checkpoint_taken_at_3_resumes_at_2_and_at_4(tmp_path: Path) -> None:
     """Every rank writes its shards (DCP, in the background); a new job started from the
     checkpoint at another size holds the same whole model and Adam state."""

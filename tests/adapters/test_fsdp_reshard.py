@@ -232,3 +232,32 @@ def test_fsdp_internal_init_is_called_in_the_shape_of_the_installed_torch() -> N
         fp = cls()
         _init_sharded_param(fp, "meta-param", "new-mesh")
         assert fp.seen == ("meta-param", "cpu", None, "new-mesh")
+
+
+def test_a_sharded_forward_cut_short_returns_zeros_shaped_like_the_last_output() -> None:
+    """A failure in FSDP's forward gives the caller zeros shaped like the last output
+    (the batch dimension, or batch x sequence, following this input), so that nothing
+    of the forward runs again on the new group; before any output, the old path."""
+    from pollux_launch.adapters.torch.trainer import _Guarded
+
+    class Flaky(torch.nn.Module):
+        fail = False
+
+        def forward(self, x, *, seq=3):
+            if self.fail:
+                raise RuntimeError("Connection closed by peer")
+            return {"logits": torch.ones(x.shape[0] * seq, 5), "aux": [x.sum(), 7]}
+
+    got: list = []
+    module = Flaky()
+    guarded = _Guarded(module, lambda exc, inputs, kwargs: ("redo", inputs),
+                       lambda exc, zeros: got.append((str(exc), zeros)) or zeros)
+    module.fail = True
+    assert guarded(torch.ones(4, 2))[0] == "redo"  # no output seen yet
+    module.fail = False
+    guarded(torch.ones(4, 2), seq=3)
+    module.fail = True
+    out = guarded(torch.ones(6, 2), seq=3)
+    assert got and got[0][0] == "Connection closed by peer"
+    assert out["logits"].shape == (18, 5) and out["logits"].requires_grad
+    assert not out["logits"].any() and out["aux"][0].shape == () and out["aux"][1] == 7
