@@ -16,6 +16,16 @@ WORKER = Path(__file__).with_name("fsdp_worker.py")
 N = 480
 
 
+def _each_epoch_saw_every_sample_once(steps: list[dict]) -> None:
+    """Every epoch but the last saw all N samples, and none saw one twice."""
+    seen: dict[int, Counter] = defaultdict(Counter)
+    for r in steps:
+        seen[r["epoch"]].update(r["indices"])
+    for epoch, counts in seen.items():
+        assert set(counts) == set(range(N)) or epoch == max(seen), f"epoch {epoch} missed"
+        assert max(counts.values()) == 1, f"epoch {epoch} saw a sample twice"
+
+
 @pytest.mark.parametrize("sharding", ["", "fsdp"], ids=["script-sharded", "trainer-sharded"])
 def test_fsdp_job_reshards_live_2_3_1_2(tmp_path: Path, sharding: str) -> None:
     sizes = [2, 3, 1, 2]
@@ -36,12 +46,7 @@ def test_fsdp_job_reshards_live_2_3_1_2(tmp_path: Path, sharding: str) -> None:
     steps = [r for rs in logs.values() for r in rs if r["kind"] == "step"]
     assert [w for w in sorted({(r["round"], r["world"]) for r in steps})] == list(
         enumerate(sizes, start=1)), "the job ran at every size, in order"
-    seen: dict[int, Counter] = defaultdict(Counter)
-    for r in steps:
-        seen[r["epoch"]].update(r["indices"])
-    for epoch, counts in seen.items():
-        assert set(counts) == set(range(N)) or epoch == max(seen), f"epoch {epoch} missed"
-        assert max(counts.values()) == 1, f"epoch {epoch} saw a sample twice"
+    _each_epoch_saw_every_sample_once(steps)
     states = [r for rs in logs.values() for r in rs if r["kind"] == "state"]
     for rnd in range(2, len(sizes) + 1):
         after = {r["digest"] for r in states if r["when"] == "rescale" and r["round"] == rnd}
@@ -121,12 +126,7 @@ def test_a_sigkilled_rank_of_a_sharded_job_with_a_checkpoint_goes_on_from_it(
         (save_at, saved["digest"])}, resumed
     carried = [r for rs in logs.values() for r in rs if r["kind"] == "step"
                and (r["round"] > kill_round or r["step"] <= save_at)]
-    seen: dict[int, Counter] = defaultdict(Counter)
-    for r in carried:
-        seen[r["epoch"]].update(r["indices"])
-    for epoch, counts in seen.items():
-        assert set(counts) == set(range(N)) or epoch == max(seen), f"epoch {epoch} missed"
-        assert max(counts.values()) == 1, f"epoch {epoch} saw a sample twice"
+    _each_epoch_saw_every_sample_once(carried)
     survivors = {r["pid"] for r in carried if r["round"] > kill_round} - {victim}
     before = {r["pid"] for r in carried if r["round"] <= kill_round}
     assert survivors & before, "the survivors kept their processes"
