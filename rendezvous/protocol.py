@@ -549,6 +549,21 @@ class Rendezvous:
         except (MessageError, StoreError) as exc:
             log.warning("job %s: could not record the resumed progress: %s", self.job, exc)
 
+    def record_rollback(self, lost: float) -> None:
+        """The job went back to a durable checkpoint in place (a failure took state no
+        survivor held), losing ``lost`` progress: one more restart in the record, with
+        that loss, already credited (a store problem leaves the record as it was)."""
+        key = self.keys.restarts
+        try:
+            kv = self.store.get(key)
+            old = decode(JobRestarts, kv.value) if kv else JobRestarts(0)
+            new = JobRestarts(old.count + 1, old.lost_progress + max(0.0, lost), time.time(),
+                              old.count + 1)
+            self.store.txn([Compare(key, "mod_revision", "==", kv.mod_revision if kv else 0)],
+                           [Put(key, encode(new))])
+        except (MessageError, StoreError) as exc:
+            log.warning("job %s: could not record the progress lost: %s", self.job, exc)
+
     def _form(self, state: RoundState) -> GroupInfo | None:
         """Join the round's process group; None if that failed (a member died meanwhile)."""
         rank = state.members.index(self.worker)

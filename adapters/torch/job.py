@@ -132,6 +132,11 @@ class ElasticJob:
         if self.rdzv is not None:
             self.rdzv.credit_resumed(progress)
 
+    def record_rollback(self, lost: float) -> None:
+        """The job went back to a checkpoint in place, losing ``lost`` (``JobRestarts``)."""
+        if self.rdzv is not None:
+            self.rdzv.record_rollback(lost)
+
     def close(self) -> None:
         global _current
         if self.rdzv is not None:
@@ -179,6 +184,9 @@ class JobMembership:
 
     def credit_resumed(self, progress: float) -> None:
         self.job.credit_resumed(progress)
+
+    def record_rollback(self, lost: float) -> None:
+        self.job.record_rollback(lost)
 
     def close(self) -> None:
         self.job.close()

@@ -313,11 +313,14 @@ class ElasticController:
     def _resume_lost(self, lost: StateLost) -> dict[str, Any] | None:
         """Every rank of the new group (``StateLost``): the newest durable checkpoint,
         loaded by all of them, or the one-line error when there is none."""
+        before = self.tuner.progress.iterations
         resumed = self._resume(why="a failed worker took state its peers do not hold: ")
         if resumed is None:
             raise lost.error from None
         captured, state = resumed
         self.load_state_dict(state)  # (elsewhere than on rank 0 its own: reload brings it)
+        if self.group.rank == 0 and self.membership is not None:  # (status: RESTARTS)
+            self.membership.record_rollback(before - self.tuner.progress.iterations)
         return lost.reload(captured)
 
     # -- step boundaries ------------------------------------------------------------------

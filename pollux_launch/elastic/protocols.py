@@ -83,6 +83,10 @@ class Membership(Protocol):
 
     def credit_resumed(self, progress: float) -> None: ...
 
+    def record_rollback(self, lost: float) -> None:
+        """The job went back to a durable checkpoint in place, losing ``lost``."""
+        ...
+
     def close(self) -> None: ...
 
 

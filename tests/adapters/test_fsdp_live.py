@@ -12,6 +12,9 @@ import pytest
 from agent_job import agent_job  # tests/adapters/agent_job.py
 from waiting import wait_for  # tests/waiting.py
 
+from pollux_launch import keys
+from pollux_launch.messages import JobRestarts, decode
+
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 N = 480
 
@@ -117,7 +120,13 @@ def test_a_sigkilled_rank_of_a_sharded_job_with_a_checkpoint_goes_on_from_it(
         status = job.finished(180)
         assert status.state == "succeeded", status
         logs = job.records()
+        kv = job.store.get(keys.job("sr", "restarts"))  # what status shows (RESTARTS)
+        restarts = decode(JobRestarts, kv.value) if kv else None
     assert "took state its peers do not hold: resumed from" in capfd.readouterr().out
+    last = max(r["step"] for rs in logs.values() for r in rs
+               if r["kind"] == "step" and r["round"] <= kill_round)
+    assert restarts is not None and restarts.count == 1 == restarts.resumed, restarts
+    assert 0 < restarts.lost_progress <= last - save_at + 1, (restarts, last)
     states = [r for rs in logs.values() for r in rs
               if r["kind"] == "state" and r["when"] == "rescale" and r["round"] > kill_round]
     first = min(r["round"] for r in states)

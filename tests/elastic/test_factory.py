@@ -322,6 +322,9 @@ def test_a_removed_member_leaves_the_job():
         def credit_resumed(self, progress: float) -> None:
             pass
 
+        def record_rollback(self, lost: float) -> None:
+            pass
+
         def close(self) -> None:
             self.closed = True
 
