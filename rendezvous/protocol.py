@@ -536,33 +536,37 @@ class Rendezvous:
         """This job's latest restart resumed from a checkpoint at ``progress``: that much
         of what the restart record counts as lost was not lost (credited once per
         restart; a store problem leaves the record as it was, on the safe side)."""
-        key = self.keys.restarts
-        try:
-            kv = self.store.get(key)
-            old = decode(JobRestarts, kv.value) if kv else None
+        def credit(old: JobRestarts | None) -> JobRestarts | None:
             if old is None or old.resumed >= old.count:
-                return
-            new = JobRestarts(old.count, max(0.0, old.lost_progress - progress),
-                              old.timestamp, old.count)
-            self.store.txn([Compare(key, "mod_revision", "==", kv.mod_revision)],
-                           [Put(key, encode(new))])
-        except (MessageError, StoreError) as exc:
-            log.warning("job %s: could not record the resumed progress: %s", self.job, exc)
+                return None
+            return JobRestarts(old.count, max(0.0, old.lost_progress - progress),
+                               old.timestamp, old.count)
+        self._edit_restarts(credit, "the resumed progress")
 
     def record_rollback(self, lost: float) -> None:
         """The job went back to a durable checkpoint in place (a failure took state no
         survivor held), losing ``lost`` progress: one more restart in the record, with
         that loss, already credited (a store problem leaves the record as it was)."""
+        def rollback(old: JobRestarts | None) -> JobRestarts:
+            old = old or JobRestarts(0)
+            return JobRestarts(old.count + 1, old.lost_progress + max(0.0, lost), time.time(),
+                               old.count + 1)
+        self._edit_restarts(rollback, "the progress lost")
+
+    def _edit_restarts(self, change: Callable[[JobRestarts | None], JobRestarts | None],
+                       what: str) -> None:
+        """One compare-and-swap of the job's restart record: ``change`` turns the current
+        one (None: none yet) into the new one (None: leave it); a store problem or a
+        concurrent write leaves the record as it was."""
         key = self.keys.restarts
         try:
             kv = self.store.get(key)
-            old = decode(JobRestarts, kv.value) if kv else JobRestarts(0)
-            new = JobRestarts(old.count + 1, old.lost_progress + max(0.0, lost), time.time(),
-                              old.count + 1)
-            self.store.txn([Compare(key, "mod_revision", "==", kv.mod_revision if kv else 0)],
-                           [Put(key, encode(new))])
+            new = change(decode(JobRestarts, kv.value) if kv else None)
+            if new is not None:
+                self.store.txn([Compare(key, "mod_revision", "==", kv.mod_revision if kv else 0)],
+                               [Put(key, encode(new))])
         except (MessageError, StoreError) as exc:
-            log.warning("job %s: could not record the progress lost: %s", self.job, exc)
+            log.warning("job %s: could not record %s: %s", self.job, what, exc)
 
     def _form(self, state: RoundState) -> GroupInfo | None:
         """Join the round's process group; None if that failed (a member died meanwhile)."""

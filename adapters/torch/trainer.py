@@ -51,8 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -502,7 +501,6 @@ class _ShardedHooks(_TorchHooks):
 
     def capture(self, controller_state: dict[str, Any]) -> Any:
         self._settle()
-        reset_iteration(self.t.module)  # (after a failure: FSDP was cut short mid-step)
         return None
 
     def hand_off(self, old: tuple[str, ...], new: tuple[str, ...], me: str) -> None:
@@ -591,7 +589,8 @@ class _ShardedHooks(_TorchHooks):
         t = self.t
         info = t.job.info
         assert info is not None and t._resharder is not None
-        if t.job.worker not in info.newcomers:
+        if t.job.worker not in info.newcomers:  # (the failure cut its FSDP step short)
+            reset_iteration(t.module)
             t._resharder.blank(tuple(info.members), t.job.worker, t.job.device_mesh())
         return self._load(captured)
 
@@ -675,7 +674,8 @@ class _Guarded(torch.nn.Module):
         super().__init__()
         self.module = module
         self._on_failure, self._on_failure_with = on_failure, on_failure_with
-        self._shape: tuple[Any, list[Any], int | None] | None = None  # the last output's
+        # the last output's (pytree spec or None for a lone tensor, leaves, input batch)
+        self._shape: tuple[Any, list[Any], int | None] | None = None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:
@@ -684,9 +684,16 @@ class _Guarded(torch.nn.Module):
             if self._shape is None:
                 return self._on_failure(exc, inputs, kwargs)
             return self._on_failure_with(exc, self._zeros(inputs, kwargs))
-        leaves, spec = tree_flatten(out)  # (metadata only: no tensor is kept or read)
-        self._shape = (spec, [_Leaf(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor)
-                              else t for t in leaves], _batch_of(inputs, kwargs))
+        # metadata only, no tensor kept or read; a lone tensor (the usual output) without
+        # a pytree walk: this runs on every forward
+        if type(out) is torch.Tensor:
+            self._shape = (None, [_Leaf(out.shape, out.dtype, out.device)],
+                           _batch_of(inputs, kwargs))
+        else:
+            leaves, spec = tree_flatten(out)
+            self._shape = (spec, [_Leaf(t.shape, t.dtype, t.device)
+                                  if isinstance(t, torch.Tensor) else t for t in leaves],
+                           _batch_of(inputs, kwargs))
         return out
 
     def _zeros(self, inputs: tuple, kwargs: dict) -> Any:
@@ -703,12 +710,12 @@ class _Guarded(torch.nn.Module):
                 shape = torch.Size((shape[0] // then * now, *shape[1:]))
             out.append(torch.zeros(shape, dtype=dtype, device=device,
                                    requires_grad=dtype.is_floating_point))
-        return tree_unflatten(out, spec)
+        return out[0] if spec is None else tree_unflatten(out, spec)
 
 
-@dataclass(frozen=True)
-class _Leaf:
-    """A tensor of an output, as its shape (no tensor kept)."""
+class _Leaf(NamedTuple):
+    """A tensor of an output, as its shape (no tensor kept; a pytree leaf is never a
+    tuple, so nothing else is taken for one)."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -717,6 +724,8 @@ class _Leaf:
 
 def _batch_of(inputs: tuple, kwargs: dict) -> int | None:
     """The first tensor argument's leading dimension (the micro-batch), if any."""
+    if inputs and type(inputs[0]) is torch.Tensor and inputs[0].dim():
+        return inputs[0].shape[0]  # (the usual call: one forward's worth of host time)
     for x in (*inputs, *kwargs.values()):
         if isinstance(x, torch.Tensor) and x.dim():
             return int(x.shape[0])

@@ -9,7 +9,6 @@ Horovod ends them) and that the job completes with exit code 0.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from waiting import jsonl_records  # tests/waiting.py
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/install-horovod.sh")
 pytest.importorskip("sklearn", reason="the example needs scikit-learn (pollux-launch[examples])")
@@ -38,14 +38,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "horovod_elastic.py"
 
 
 def read_logs(log_dir: Path) -> list[dict]:
-    recs = []
-    for f in sorted(log_dir.glob("worker-*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                recs.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
-    return recs
+    return [r for f in sorted(log_dir.glob("worker-*.jsonl")) for r in jsonl_records(f)]
 
 
 def wait_steps(proc, log_dir: Path, size: int, steps: int, timeout: float = 90.0) -> list[dict]:

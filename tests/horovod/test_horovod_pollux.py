@@ -13,7 +13,6 @@ job's log, not on the terminal, which says ``replicas 3 -> 1 (live)``).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from waiting import jsonl_records  # tests/waiting.py
 
 pytest.importorskip("horovod.torch", reason="Horovod is not installed: scripts/install-horovod.sh")
 pytest.importorskip("sklearn", reason="the example needs scikit-learn (pollux-launch[examples])")
@@ -45,14 +45,7 @@ JOB = "hvd-pollux"
 
 
 def read_logs(log_dir: Path) -> list[dict]:
-    recs = []
-    for f in sorted(log_dir.glob("worker-*.jsonl")):
-        for line in f.read_text().splitlines():
-            try:
-                recs.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
-    return recs
+    return [r for f in sorted(log_dir.glob("worker-*.jsonl")) for r in jsonl_records(f)]
 
 
 def wait_for(proc, what: str, predicate, timeout: float = 90.0):
