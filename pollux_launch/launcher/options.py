@@ -436,10 +436,9 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
                            "service's policy (`pollux-run coordinator --policy ...`); drop "
                            "the flag here")
     if max_restarts and elasticity == "live":
-        raise OptionsError("--max-restarts: this job re-forms live: when a worker fails, the "
-                           "others go on without it (a Horovod job run by horovodrun on one "
-                           "machine also starts a new worker in its slot); restarts apply to "
-                           "restart-elastic and fixed jobs")
+        raise OptionsError("--max-restarts: this job re-forms live: when a worker is lost, "
+                           "the others go on without it and its slot gets a new worker; "
+                           "restarts apply to restart-elastic and fixed jobs")
     checkpoint_env = _checkpoint_env(ns, cwd)
     policy_env = _policy_env(ns, command, cwd)
     batch_env = _batch_env(ns)

@@ -6,6 +6,9 @@ host name, which resolves to a loopback address on every host - as on many real 
 from __future__ import annotations
 
 import itertools
+import os
+import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -127,6 +130,18 @@ def test_horovod_job_spans_hosts_without_ssh(net, cluster, tmp_path):
                  "Horovod training across both hosts")
     pids = {s["pid"] for s in _hvd_steps(logs) if s["size"] == 2}
     assert pids & set(h1.pids()) and pids & set(h2.pids())  # one worker on each host
+
+    # rank 0's worker is killed: the job goes on at n2 and n1's slot gets a new worker
+    # (before, Horovod blacklisted n1 for good: the job stayed at one replica)
+    [first] = pids & set(h1.pids())
+    os.kill(first, signal.SIGKILL)
+    t_kill = time.time()
+    cluster.wait(lambda: sum(s["size"] == 2 and s["t"] > t_kill and s["pid"] in h1.pids()
+                             for s in _hvd_steps(logs)) >= 10, 120,
+                 "Horovod training across both hosts again, a new worker on n1")
+    assert re.search(r"\[pollux\] hvd: replica n1@\d+ lost \(exit code 137\); the job "
+                     "goes on", cluster.log("hvd")), cluster.log("hvd")[-3000:]
+    pids = {s["pid"] for s in _hvd_steps(logs) if s["size"] == 2}
 
     cluster.procs["agent-n2"].kill()  # its worker dies with it
     t_kill = time.time()

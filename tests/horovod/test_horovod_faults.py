@@ -151,16 +151,20 @@ def status_of(job: Job) -> str:
 
 
 # ------------------------------------------------------------------- real processes
-@pytest.mark.parametrize("victim,lowest", [("rank1", 1), ("rank0", 1), ("rank1", 2)])
+@pytest.mark.parametrize("victim,lowest,gpus", [
+    ("rank1", 1, 0), ("rank0", 1, 0), ("rank1", 2, 0), ("rank0", 1, 2), ("rank1", 2, 2)])
 def test_killed_worker_is_replaced_and_the_job_finishes_whole(tmp_path, baseline, victim,
-                                                              lowest):
+                                                              lowest, gpus):
     """SIGKILL one of a live job's two workers mid-training: the survivor goes on (no
     ``blacklisted ... stop running``) - at 1 replica meanwhile, or waiting in Horovod's
     reset where ``--min-np`` is 2 - the dead worker's slot gets a new worker (the job is
     back at 2), status stays ``running`` meanwhile and says ``succeeded, exit code 0`` at
-    the end, and the result is horovodrun's, every epoch trained."""
-    name = f"hvd-kill-{victim}-{lowest}"
-    job = Job(tmp_path, name, ["-np", "2", "--min-np", str(lowest), "--max-np", "2"])
+    the end, and the result is horovodrun's, every epoch trained. With ``--gpus`` the
+    workers run through the machine's node agent (Horovod's cluster mode: both on one
+    node, which a lost worker no longer takes out)."""
+    name = f"hvd-kill-{victim}-{lowest}" + (f"-gpus{gpus}" if gpus else "")
+    job = Job(tmp_path, name, ["-np", "2", "--min-np", str(lowest), "--max-np", "2"]
+              + (["--gpus", str(gpus)] if gpus else []))
     try:
         wait_for(job.proc, lambda: any(r["event"] == "epoch" for r in records(job.events)),
                  "the first epoch", 180)
@@ -310,6 +314,19 @@ def test_replica_names_split_retire_and_order():
     names.retire("node7")  # not ours: Horovod's own blacklist decides
     assert names.split({"node7": 4}) == {"node7": 4}
     assert not names.issued("node7") and names.issued("127.0.0.4")
+
+
+def test_replica_names_of_nodes_map_back_to_their_node():
+    """Cluster mode: each slot of a node agent's node is a host of its own (``NODE@N``),
+    mapped back to its node; a lost one comes back under a fresh name on the same node."""
+    names = ReplicaNames(nodes=True)
+    assert names.split({"n1": 2, "n2": 1}) == {"n1@1": 1, "n1@2": 1, "n2@3": 1}
+    assert [names.node_of(n) for n in ("n1@1", "n1@2", "n2@3")] == ["n1", "n1", "n2"]
+    names.retire("n1@1")
+    assert names.split({"n1": 2, "n2": 1}) == {"n1@2": 1, "n1@4": 1, "n2@3": 1}
+    assert names.node_of("n1@4") == "n1" and names.node_of("elsewhere") == "elsewhere"
+    assert names.split({"n2": 1}) == {"n2@3": 1}  # a node dropped: its names with it
+    assert names.order({"n1@2", "n1@4", "n2@3"}, ["n2@3"]) == ["n2@3", "n1@2", "n1@4"]
 
 
 def test_replica_names_order_follows_naming():

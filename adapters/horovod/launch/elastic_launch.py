@@ -15,8 +15,9 @@ environment. It runs Horovod's own elastic gloo launcher (Horovod 0.28.1's
 Exit status: 0 when every worker completed, 1 when Horovod reports a failed worker (its
 message on stderr), as ``horovodrun`` does; 128+SIG, quietly, when SIGTERM/SIGINT stopped
 it (a cancel: Horovod's report of the workers it ended is no failure). With
-:func:`~.local_run.install`'s changes (each change of size said in one ``[pollux]`` line;
-hosts here are nodes, so a failed worker takes its node out, as with horovodrun).
+:func:`~.local_run.install`'s changes: each change of size said in one ``[pollux]`` line,
+and each slot of a node a Horovod host of its own (``NODE@N``), so a lost worker costs
+its slot - which gets a new worker - not its node.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pollux_launch.rendezvous.store import Store, StoreError
 from pollux_launch.rendezvous.store.environ import store_from_env
 
 from .hosts import read_allocation
-from .local_run import LocalRun, install
+from .local_run import LocalRun, QuietInfo, install
 from .tasks import StoreExec, env_for_tasks
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s hvd-launch %(message)s")
+    handler = logging.StreamHandler(sys.stdout)  # (one stream: LOG_ONLY marks whole lines)
+    handler.setFormatter(QuietInfo("%(asctime)s hvd-launch %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
 
     from horovod.runner.common.util import secret, timeout
     from horovod.runner.elastic.settings import ElasticSettings
@@ -100,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                                       "{activity}; raise --start-timeout"),
         output_filename=None, run_func_mode=False, nics={nic},
         prefix_output_with_timestamp=False)
-    run = LocalRun(job)
+    run = LocalRun(job, nodes=True)
     install(run)
     try:
-        launch_gloo_elastic(command, StoreExec(store, job, command), settings,
+        launch_gloo_elastic(command, StoreExec(store, job, command, run), settings,
                             env_for_tasks(os.environ), lambda driver: {nic},
                             RendezvousServer(settings.verbose), sys.executable)
     except RuntimeError as exc:  # how Horovod's elastic launcher reports a failed job

@@ -1,27 +1,32 @@
-"""Horovod's elastic driver as ``pollux-run`` runs it on one machine: every replica is a
-Horovod host of its own, so a dead worker costs one replica, not the job.
+"""Horovod's elastic driver as ``pollux-run`` runs it: every replica is a Horovod host of
+its own, so a dead worker costs one replica, not the job (nor its node).
 
 Horovod blacklists a HOST when a worker on it fails (``WorkerStateRegistry.
 _on_workers_recorded``) and ends the job when every recorded host is blacklisted. On one
 machine every worker ran on one host (``127.0.0.1:N``), so ONE failure ended the job
 (``blacklisted slots count == N -> stop running``), with or without
 ``--blacklist-cooldown-range`` (the driver stops at that barrier, before any cool-down
-could end). :func:`install` (called by the ``horovodrun`` entry point that pollux-run
-writes, :func:`~.command.write_horovodrun_script`, before Horovod runs) changes that,
+could end); across nodes, one failure took its whole node out. :func:`install` (called
+before Horovod runs by the ``horovodrun`` entry point that pollux-run writes,
+:func:`~.command.write_horovodrun_script`, and by :mod:`.elastic_launch`) changes that,
 and what the user's terminal shows, through Horovod 0.28.1's module seams:
 
-* :class:`ReplicaNames` (discovery): a loopback host with N slots is reported as N
-  hosts of one slot, named by loopback addresses not used before in this run
-  (127.0.0.1, 127.0.0.2, ...: only names to Horovod, never bound: the workers'
-  transports bind ``--network-interface``). A shrink drops the newest names (the oldest
+* :class:`ReplicaNames` (discovery): a host with N slots is reported as N hosts of one
+  slot, named by names not used before in this run: loopback addresses for this
+  machine (127.0.0.1, 127.0.0.2, ...: only names to Horovod, never bound: the workers'
+  transports bind ``--network-interface``), ``NODE@N`` for a node agent's node in
+  cluster mode (:mod:`.elastic_launch`; :class:`~.tasks.StoreExec` maps the name back
+  to its node, whose agent gives each worker its own GPU first in its
+  ``CUDA_VISIBLE_DEVICES``, so ``hvd.local_rank()`` - 0 for every worker - indexes it).
+  A shrink drops the newest names (the oldest
   keep the lowest ranks: rank 0 survives), a grow adds fresh ones, and a name Horovod
   blacklisted is never reported again: its slot comes back under a fresh name, an added
   host to Horovod. So the survivors go on at once (Horovod's reset, without the failed
   host) and the replacement joins through Horovod's ordinary grow (the job's warm zygote
   where it has one, :mod:`.warm`); a job whose ``--min-np`` needs the slot waits in that
   reset for the replacement instead (discovery runs every second). That is for a worker
-  :func:`lost` (killed by a signal); one that exits with an error code - the script's
-  own failure, which a new worker would repeat - fails the job, as before.
+  :func:`lost` (killed by a signal, or its node gone); one that exits with an error code
+  - the script's own failure, which a new worker would repeat - fails the job, as before.
 * :func:`exec_command_fn`: Horovod's local execution of a worker, for these names
   (Horovod's own would ssh to them: they are not this machine's interface addresses);
   the output of a worker that a reset REMOVED - from that reset on, Horovod aborts it:
@@ -34,8 +39,10 @@ and what the user's terminal shows, through Horovod 0.28.1's module seams:
   Horovod's "non-zero status" traceback for the workers it ended itself; any other
   failure is one line.
 
-On another host than this one (cluster mode, :mod:`.elastic_launch`) nothing changes:
-a failed worker blacklists its node, as with horovodrun.
+Horovod itself identifies a worker by (host, local rank) for its whole life and
+blacklists hosts, so per-slot names are the one way to lose a single worker of a host
+and keep the rest: ``hvd.local_size()`` is 1 under pollux-run (as with one slot per
+host), and Horovod's hierarchical collectives see no two workers on one host.
 """
 
 from __future__ import annotations
@@ -75,10 +82,10 @@ def is_loopback(host: str) -> bool:
 class LocalRun:
     """What the patched pieces of one horovodrun process share."""
 
-    def __init__(self, job: str, out: IO[str] | None = None) -> None:
+    def __init__(self, job: str, out: IO[str] | None = None, nodes: bool = False) -> None:
         self.job = job
         self.out = out or sys.stdout
-        self.names = ReplicaNames(self)
+        self.names = ReplicaNames(self, nodes)
         self.removed: set[tuple[str, int]] = set()  # (host, local rank) a reset removed
         self.exit_codes: dict[str, int] = {}  # replica name -> its worker's last exit code
         self.stopping: int | None = None  # the signal that stops horovodrun, once it came
@@ -97,22 +104,25 @@ class LocalRun:
 
 
 class ReplicaNames:
-    """Discovery that names each loopback slot as a host of its own (module docstring).
+    """Discovery that names each slot as a host of its own (module docstring).
 
     Wraps Horovod's discovery (``inner``, set by :class:`ReplicaHostManager`):
     ``find_available_hosts_and_slots()`` maps ``{"127.0.0.1": 3}`` to three names of one
     slot each, stable while the host keeps its slots; :meth:`retire` takes a name out for
     good (Horovod blacklisted it); :meth:`issued` says whether a name is one of these.
-    Other hosts pass through unchanged.
+    Loopback hosts get loopback addresses as names; other hosts (node agents' nodes,
+    ``nodes=True``) get ``NODE@N``, and :meth:`node_of` maps a name back to its host.
+    Without ``nodes``, other hosts pass through unchanged (horovodrun's own hosts).
     """
 
-    def __init__(self, run: LocalRun | None = None) -> None:
-        self.run = run
+    def __init__(self, run: LocalRun | None = None, nodes: bool = False) -> None:
+        self.run, self.nodes = run, nodes
         self.inner: Any = None
         self.live: dict[str, list[str]] = {}  # discovered host -> its replicas, oldest first
         self.retired: set[str] = set()
-        self._issued: set[str] = set()
-        self._next = FIRST_NAME
+        self._issued: dict[str, tuple[int, str]] = {}  # name -> (made, its host)
+        self._next = FIRST_NAME  # the next loopback name
+        self._made = 0
         self._losses = 0
         self._hold_until = 0.0  # (monotonic) no fresh name before, after a loss
 
@@ -120,15 +130,15 @@ class ReplicaNames:
         return self.split(self.inner.find_available_hosts_and_slots())
 
     def split(self, hosts: dict[str, int]) -> dict[str, int]:
-        """``hosts`` (discovery's) with each loopback slot named on its own."""
+        """``hosts`` (discovery's) with each slot of a host of ours named on its own."""
         out: dict[str, int] = {}
         for host, slots in hosts.items():
-            if not is_loopback(host):
+            if not (self.nodes or is_loopback(host)):
                 out[host] = slots
                 continue
             names = [n for n in self.live.get(host, []) if n not in self.retired][:slots]
             while len(names) < slots and time.monotonic() >= self._hold_until:
-                names.append(self._fresh())
+                names.append(self._fresh(host))
             self.live[host] = names
             out.update(dict.fromkeys(names, 1))
         for gone in set(self.live) - set(hosts):
@@ -150,6 +160,10 @@ class ReplicaNames:
     def issued(self, name: str) -> bool:
         return name in self._issued
 
+    def node_of(self, name: str) -> str:
+        """The discovered host that ``name`` is a slot of (``name`` itself if not ours)."""
+        return self._issued[name][1] if name in self._issued else name
+
     def order(self, available: set[str], previous: list[str]) -> list[str]:
         """Horovod's host order (lowest ranks first): the previous order, then new hosts
         - these names in the order they were made (Horovod's own takes a set's order:
@@ -159,14 +173,18 @@ class ReplicaNames:
                               key=lambda h: (not self.issued(h), self._number(h), h))
 
     def _number(self, name: str) -> int:
-        return int(ipaddress.IPv4Address(name)) if self.issued(name) else 0
+        return self._issued[name][0] if name in self._issued else 0
 
-    def _fresh(self) -> str:
-        if self._next > LAST_NAME:  # (16 million replicas started in one run)
+    def _fresh(self, host: str) -> str:
+        self._made += 1
+        if not is_loopback(host):
+            name = f"{host}@{self._made}"
+        elif self._next > LAST_NAME:  # (16 million replicas started in one run)
             raise RuntimeError("no loopback names left for new replicas")
-        name = str(ipaddress.IPv4Address(self._next))
-        self._next += 1
-        self._issued.add(name)
+        else:
+            name = str(ipaddress.IPv4Address(self._next))
+            self._next += 1
+        self._issued[name] = (self._made, host)
         return name
 
 
@@ -311,6 +329,16 @@ class _StoppingFilter(logging.Filter):
             return True
         self.run.say(f"horovod: {record.getMessage()}", log_only=True)
         return False
+
+
+class QuietInfo(logging.Formatter):
+    """Horovod's driver's progress (below WARNING: ``record state``, ``reset workers``,
+    ``success count == N -> stop running``) for the job's log only, as horovodrun, whose
+    default level hides it, would keep it out of the terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno >= logging.WARNING else LOG_ONLY + text
 
 
 def install(run: LocalRun) -> None:

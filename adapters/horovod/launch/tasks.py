@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import shlex
+import signal
 import socket
 import time
 import uuid
@@ -54,15 +55,15 @@ from pollux_launch.messages import (
 from pollux_launch.rendezvous.store import Put, Store, StoreError
 
 from .hosts import read_allocation
+from .local_run import LocalRun
 
 log = logging.getLogger(__name__)
 
 # How long a stopped worker's node agent gets to report its exit before the worker is
 # taken for lost (an agent that is up answers within a poll or two).
 STOP_WAIT = 30.0
-# How long a task waits for the tasks of lower local ranks on its node (Horovod starts a
-# host's workers together) before it starts anyway, its GPU then after the job's others.
-ORDER_WAIT = 5.0
+# A worker whose node is gone, as its exit code: lost with it (local_run.lost), not failed.
+LOST = 128 + signal.SIGKILL
 
 
 def task_variables(env: Mapping[str, str]) -> dict[str, str]:
@@ -89,42 +90,56 @@ def split_command(text: str, command: Sequence[str]) -> dict[str, str]:
 
 
 class StoreExec:
-    """Horovod's ``exec_command(command, slot_info, events) -> (exit_code, time)``."""
+    """Horovod's ``exec_command(command, slot_info, events) -> (exit_code, time)``.
 
-    def __init__(self, store: Store, job: str, command: Sequence[str], poll: float = 0.5) -> None:
+    With ``run`` (:class:`~.local_run.LocalRun`), Horovod's hosts are its per-slot names:
+    each is run on the node it names, and its worker's exit code is recorded there (lost
+    or failed decides what its end costs the job)."""
+
+    def __init__(self, store: Store, job: str, command: Sequence[str],
+                 run: LocalRun | None = None, poll: float = 0.5) -> None:
         self.store, self.job, self.command, self.poll = store, job, tuple(command), poll
+        self.run = run
         self.values = ValueLog(log)  # malformed allocations: said once per revision
 
     def __call__(self, text: str, slot_info, events) -> tuple[int, float]:
+        code = self._run(text, slot_info, events)
+        if self.run is not None:
+            self.run.exit_codes[slot_info.hostname] = code
+        return code, time.time()
+
+    def _run(self, text: str, slot_info, events) -> int:
+        name = slot_info.hostname
+        node = self.run.names.node_of(name) if self.run is not None else name
         env = task_variables(split_command(text, self.command))
-        task = f"{slot_info.hostname}-{slot_info.local_rank}-{uuid.uuid4().hex[:8]}"
-        msg = WorkerTask(slot_info.hostname, self.command, env, slot_info.rank)
+        task = f"{name}-{slot_info.local_rank}-{uuid.uuid4().hex[:8]}"
+        msg = WorkerTask(node, self.command, env, slot_info.rank)
         self._retry(lambda: self.store.put(keys.job(self.job, f"tasks/{task}"), encode(msg)))
         stopped = 0.0
         while True:
             code = self._exit(task)
             if code is not None:
                 break
-            if self._host_lost(slot_info.hostname):
+            if self._host_lost(node):
                 log.warning("worker %s: its node %s is gone; taken for lost", task,
-                            slot_info.hostname)
-                code = 1  # as ssh would report a dead host: Horovod blacklists it and resets
+                            node)
+                code = LOST  # as ssh would report a dead host, then lost with it
                 break
             if not stopped and any(e.is_set() for e in events or ()):
                 stopped = time.monotonic()  # Horovod stops this worker: the agent ends it
                 self._retry(lambda: self.store.delete(keys.job(self.job, f"tasks/{task}")))
             if stopped and (time.monotonic() - stopped > STOP_WAIT
-                            or not self._node_alive(slot_info.hostname)):
+                            or not self._node_alive(node)):
                 # its host is gone (the coordinator's grace period has passed by the time
                 # Horovod drops it) or its agent never answers: the worker is lost with it
                 log.warning("worker %s on %s: no exit reported; taken for lost", task,
-                            slot_info.hostname)
-                code = 1
+                            node)
+                code = LOST
                 break
             time.sleep(self.poll)
         self._retry(lambda: self.store.delete(keys.job(self.job, f"tasks/{task}")))
         self._retry(lambda: self.store.delete(keys.job(self.job, f"exits/{task}")))
-        return code, time.time()
+        return code
 
     def _exit(self, task: str) -> int | None:
         try:
@@ -170,7 +185,6 @@ class HorovodTaskDriver(JobDriver):
         super().__init__(spec, ctx)
         self.group = ctx.worker_group(spec)
         self.values = ValueLog(log)
-        self._seen: dict[str, float] = {}  # task -> when first seen, until started
         _check_hostname(ctx.node.address)
 
     @classmethod
@@ -207,27 +221,17 @@ class HorovodTaskDriver(JobDriver):
             env = {**node_env, **task_variables(task.env)}
             if "HOROVOD_GLOO_IFACE" in node_env:  # this node's interface, not the launcher's
                 env["HOROVOD_GLOO_IFACE"] = node_env["HOROVOD_GLOO_IFACE"]
-            local = env.get("HOROVOD_LOCAL_RANK", "")
-            new.append((int(local) if local.isdigit() else None, task_id, env))
+            new.append((task.index, task_id, env))
         # Horovod's driver waits for those it cannot start now: they start once a slot (and
-        # a GPU: claimed for all first, so that workers started together see each other's)
-        # is free, in Horovod's local-rank order - on a node with GPUs a worker waits
-        # (briefly) for those of lower local ranks, so that its GPU lands at its local
-        # rank in what it sees (hvd.local_rank() indexes it)
-        new.sort(key=lambda t: (t[0] is None, t[0] or 0, t[1]))
-        now = time.monotonic()
-        self._seen = {t: self._seen.get(t, now) for _, t, _ in new}
-        ready = len(new)
-        if self.ctx.devices is not None:
-            held = len(self.group.workers)
-            ready = next((i for i, (local, task_id, _) in enumerate(new)
-                          if local is not None and local > held + i
-                          and now - self._seen[task_id] < ORDER_WAIT), len(new))
-        start = self.group.reserve(min(ready, max(0, free_slots)))
+        # a GPU) is free, lowest ranks first. Each is a Horovod host of its own (local rank
+        # 0: local_run's per-slot names), so its own GPU comes first in what it sees.
+        new.sort(key=lambda t: (t[0], t[1]))
+        start = self.group.reserve(min(len(new), max(0, free_slots)))
         try:
-            for local_rank, task_id, env in new[:start]:
+            for _, task_id, env in new[:start]:
+                local = env.get("HOROVOD_LOCAL_RANK", "")
                 self.group.start(task_id, env, label=env.get("HOROVOD_RANK"),
-                                 local_rank=local_rank)
+                                 local_rank=int(local) if local.isdigit() else None)
         finally:
             self.group.unreserve()
         return len(new) - start
