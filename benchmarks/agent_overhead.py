@@ -97,6 +97,9 @@ class _BenchHooks:
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool) -> None:
         return None
 
+    def checkpoint_needs_peers(self) -> bool:
+        return False
+
     def restore_checkpoint(self, state: dict[str, Any]) -> Any:
         raise ValueError("no checkpoints in this benchmark")
 

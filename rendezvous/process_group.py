@@ -242,11 +242,17 @@ atexit.register(_leave_at_exit)
 
 def vote_any(flag: bool, group: Group | None) -> bool:
     """True on every rank if ``flag`` is True on any rank (one tiny gloo all-reduce)."""
+    return vote_each((flag,), group)[0]
+
+
+def vote_each(flags: Sequence[bool], group: Group | None) -> tuple[bool, ...]:
+    """For each of ``flags`` (the same number on every rank): True on every rank if it is
+    True on any rank - several questions in one tiny gloo all-reduce."""
     if group is None or group.world_size == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32)
+        return tuple(flags)
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.control)
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())
 
 
 # -- state transfer ----------------------------------------------------------------------

@@ -64,7 +64,15 @@ from pollux_launch.messages import (
 from pollux_launch.output_marks import announce_rank
 
 from .network import transport_env
-from .process_group import Group, default_backend, destroy_group, form_group, host_store, vote_any
+from .process_group import (
+    Group,
+    default_backend,
+    destroy_group,
+    form_group,
+    host_store,
+    vote_any,
+    vote_each,
+)
 from .rounds import (
     JobKeys,
     Member,
@@ -319,6 +327,12 @@ class Rendezvous:
         leave the step loop at the same step (one 4-byte gloo all-reduce; raises like any
         collective when a peer died)."""
         return vote_any(self._flag.is_set(), self.group)
+
+    def vote(self, ending: bool) -> tuple[bool, bool]:
+        """Collective: ``should_rescale()`` and whether any rank is ``ending`` (e.g. it got
+        SIGTERM), in the same all-reduce; raises like ``should_rescale``."""
+        rescale, end = vote_each((self._flag.is_set(), ending), self.group)
+        return rescale, end
 
     # -- rounds ----------------------------------------------------------------------------
 

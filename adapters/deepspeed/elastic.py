@@ -203,6 +203,9 @@ class _DeepSpeedHooks:
             return None  # the optimizer's partitions are spread over the peers
         return handle.capture({"elastic": controller_state})
 
+    def checkpoint_needs_peers(self) -> bool:
+        return self._handle.engine.zero_optimization_stage() != 0
+
     def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         client = state.get("client")
         if not isinstance(client, dict) or not isinstance(client.get("elastic"), dict):

@@ -380,5 +380,8 @@ class _HorovodHooks:
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool) -> None:
         return None
 
+    def checkpoint_needs_peers(self) -> bool:
+        return False  # (its durable state is pollux's TorchState's, written on commit)
+
     def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         raise ValueError("a Horovod job resumes through pollux's TorchState")

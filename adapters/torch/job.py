@@ -95,6 +95,10 @@ class ElasticJob:
         """Collective: True on every rank when any rank saw a reason to re-form."""
         return self.rdzv.should_rescale() if self.rdzv else False
 
+    def vote(self, ending: bool) -> tuple[bool, bool]:
+        """Collective: (``rescale_due()``, any rank ``ending``) in one all-reduce."""
+        return self.rdzv.vote(ending) if self.rdzv else (False, ending)
+
     def membership(self) -> JobMembership | None:
         """This job as the elastic controller's ``Membership``; None for a static job."""
         return JobMembership(self) if self.elastic else None
@@ -171,8 +175,8 @@ class JobMembership:
     def store(self) -> Any:
         return self.job.store
 
-    def rescale_due(self) -> bool:
-        return self.job.rescale_due()
+    def vote(self, ending: bool) -> tuple[bool, bool]:
+        return self.job.vote(ending)
 
     def next_round(self, hand_off: Any = None) -> GroupInfo:
         """The job's next round; raises ``MemberRemoved`` when this worker is not in it."""

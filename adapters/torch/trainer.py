@@ -462,6 +462,9 @@ class _TorchHooks:
                          ) -> dict[str, Any]:
         return {"fw": self.t._state(), "ctl": controller_state}
 
+    def checkpoint_needs_peers(self) -> bool:
+        return False
+
     def restore_checkpoint(self, state: dict[str, Any]) -> tuple[None, dict[str, Any]]:
         self.t._restore(state["fw"])
         return None, state["ctl"]
@@ -476,8 +479,10 @@ class _ShardedHooks(_TorchHooks):
 
     Durable checkpoints: every rank writes its shards (``torch.distributed.checkpoint``,
     in the background, over a gloo group of their own) and rank 0 the rest; a job resumes
-    from one at any size, DCP re-sharding on load. A rank lost to a failure takes its
-    shard with it: the job fails, saying so in one line (and how to resume)."""
+    from one at any size, DCP re-sharding on load; at SIGTERM the ranks write the final
+    one together (``checkpoint_needs_peers``). A rank lost to a failure takes its shard
+    with it: the others go back to the newest checkpoint in place (without one the job
+    fails, saying so in one line)."""
 
     def __init__(self, trainer: ElasticTrainer) -> None:
         super().__init__(trainer)
@@ -623,6 +628,9 @@ class _ShardedHooks(_TorchHooks):
         fw = t._state()
         del fw["optimizer"]  # (the shards hold its whole state)
         return {"fw": fw, "ctl": controller_state, "shards": name, "pending": self._saving}
+
+    def checkpoint_needs_peers(self) -> bool:
+        return True
 
     def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if not isinstance(state.get("shards"), str):

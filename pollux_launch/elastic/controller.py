@@ -10,11 +10,15 @@ Protocol, identical on every replica. ``after_step(batch_size)`` follows every o
 step: it counts the step and its statistical progress (Pollux Sec. 3.1), then
 
 1. SIGTERM seen (only with a checkpoint directory): rank 0 writes a final checkpoint and
-   the worker ends by that same signal;
+   the worker ends by that same signal; where the state is spread over the ranks
+   (shards, ZeRO partitions: ``hooks.checkpoint_needs_peers``) the rank says so at the
+   next vote (3; a static job of such state votes on this alone), every rank writes the
+   final checkpoint, and the ranks that got the signal end by it;
 2. a decision broadcast a due checkpoint: every rank captures its state (a collective
    for ZeRO partitions) and rank 0 writes it in the background;
-3. every ``check_every`` steps (about 50 ms of training) the replicas vote - one 4-byte
-   all-reduce - on re-forming; a rank votes yes when its rendezvous saw a new allocation
+3. every ``check_every`` steps (about 50 ms of training) the replicas vote - one 8-byte
+   all-reduce - on re-forming (and on ending, 1); a rank votes yes when its rendezvous
+   saw a new allocation
    (for a grow: once the newcomers registered, at most ``grow_grace`` later), a newer
    round or a dead peer. Then: ``hooks.capture`` on the old group, the next round (a
    worker not in it leaves with exit status 0), ``hooks.rebuild`` on the new one
@@ -346,14 +350,15 @@ class ElasticController:
         """The step boundary proper (module docstring, 1-4): every rank, same step. A
         step with nothing due costs a few attribute reads and the policies' after_step;
         the rest runs at scheduled points (``tuning.sync_points``)."""
-        if self._terminating:
+        if self._terminating and not self._ends_together():
             with self.sync_points.scheduled("terminate"):
                 self._terminate()
         self._time_step()
         try:
             due = (self.steps % self.decide_every == 0 if self.decision_budget is None
                    else self.steps >= self._decide_at)
-            vote = self.elastic and self.steps % self.check_every == 0
+            vote = self.steps % self.check_every == 0 and (self.elastic
+                                                            or self._ends_together())
             self.ctx.decision_due = due
             if not (due or vote or self.group.world_size != self._decided_size):
                 self._run_policies("after_step")
@@ -362,7 +367,10 @@ class ElasticController:
                                             else "resize"):
                 t0 = time.perf_counter()
                 self._run_policies("after_step")
-                if vote and self.membership.rescale_due():  # type: ignore[union-attr]
+                rescale, end = self._vote() if vote else (False, False)
+                if end:  # (a rank that goes on meets its peers' end at its next collective)
+                    self._end_together()
+                elif rescale:
                     self.rescale()
                 elif self.group.world_size != self._decided_size:
                     self.enter_round()  # resized underneath (Horovod): a new group anyway
@@ -373,6 +381,31 @@ class ElasticController:
             # the step before this boundary completed everywhere: nothing is in flight
             if not self.recover(exc, in_flight=False):
                 raise
+
+    def _vote(self) -> tuple[bool, bool]:
+        """A vote step's one collective: (re-form, some rank got SIGTERM)."""
+        if self.membership is not None and self.elastic:
+            return self.membership.vote(self._terminating)
+        flag = torch.tensor([float(self._terminating)], dtype=torch.float64)
+        return False, bool(self.group.allreduce(flag, "max", "pollux.ending")[0] > 0)
+
+    def _ends_together(self) -> bool:
+        """Whether a SIGTERM ends this job's ranks together (its state is spread over
+        them: only all of them can write the final checkpoint)."""
+        return (self.checkpoints is not None and self.group.world_size > 1
+                and self.hooks.checkpoint_needs_peers())
+
+    def _end_together(self) -> None:
+        """Some rank got SIGTERM (a cancel, a drain, a batch system's preemption; all of
+        them, mostly): every rank writes the final checkpoint, then those that got the
+        signal end by it. Any other goes on: its peers' end is a failure it recovers
+        from, from this very checkpoint."""
+        with self.sync_points.scheduled("terminate"):
+            if self._terminating:
+                log.warning("SIGTERM: writing a final checkpoint with the job's other ranks")
+            self.save_checkpoint(wait=True)
+            if self._terminating:
+                self._end_by_sigterm()
 
     def _time_step(self) -> None:
         now = time.perf_counter()
@@ -572,6 +605,12 @@ class ElasticController:
         assert self.checkpoints is not None
         state = self.hooks.checkpoint_state(self.state_dict(), collective)
         if self.group.rank != 0:
+            pending = state.get("pending") if wait and state is not None else None
+            if pending is not None:  # this rank's own shards: written before it goes on
+                try:
+                    pending.result()
+                except Exception as exc:  # (rank 0's commit of the checkpoint fails too)
+                    log.warning("this rank's shards were not written (%s)", first_line(exc))
             return
         if state is None:
             log.warning("no checkpoint: this state cannot be captured without its peers")
@@ -634,6 +673,9 @@ class ElasticController:
             log.warning("SIGTERM: writing a final checkpoint")
             self.checkpoints.flush()
             self._checkpoint(collective=False, wait=True)
+        self._end_by_sigterm()
+
+    def _end_by_sigterm(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)  # end as SIGTERM would have ended us
         time.sleep(60)  # (the signal is delivered before this returns)

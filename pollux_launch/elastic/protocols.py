@@ -71,8 +71,9 @@ class Membership(Protocol):
     @property
     def store(self) -> Any: ...
 
-    def rescale_due(self) -> bool:
-        """Collective: True on every rank when any rank saw a reason to re-form."""
+    def vote(self, ending: bool) -> tuple[bool, bool]:
+        """Collective, one small all-reduce: (any rank saw a reason to re-form, any rank
+        is ``ending``: it got SIGTERM); raises like any collective when a peer died."""
         ...
 
     def next_round(self, hand_off: Any = None) -> Any:
@@ -139,6 +140,12 @@ class FrameworkHooks(Protocol):
         A sharded adapter whose ranks write their shards themselves adds ``"shards"``
         (the folder, in the checkpoint directory, they write to) and ``"pending"`` (its
         write's future): rank 0's writer commits the checkpoint once it completed."""
+        ...
+
+    def checkpoint_needs_peers(self) -> bool:
+        """Whether ``checkpoint_state`` needs every rank (``collective``): the state is
+        spread over the ranks (shards, ZeRO partitions). A SIGTERM then ends the ranks
+        together, after a final checkpoint that they all write."""
         ...
 
     def restore_checkpoint(self, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

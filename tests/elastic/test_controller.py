@@ -100,6 +100,9 @@ class _Hooks:
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
                 "ctl": controller_state}
 
+    def checkpoint_needs_peers(self) -> bool:
+        return False
+
     def restore_checkpoint(self, state: dict[str, Any]):
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])

@@ -91,6 +91,9 @@ class _Hooks:
     def checkpoint_state(self, controller_state: dict[str, Any], collective: bool):
         return None
 
+    def checkpoint_needs_peers(self) -> bool:
+        return False
+
     def restore_checkpoint(self, state: dict[str, Any]):
         raise ValueError("none here")
 
@@ -313,8 +316,8 @@ def test_a_removed_member_leaves_the_job():
     class Removed:
         elastic, name, store = True, "j", None
 
-        def rescale_due(self) -> bool:
-            return True
+        def vote(self, ending: bool) -> tuple[bool, bool]:
+            return True, ending
 
         def next_round(self) -> Any:
             raise WorkerRemoved("not in round 2")
