@@ -30,13 +30,18 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .sever import sever_sockets, tcp_sockets
+
 log = logging.getLogger(__name__)
+# the TCP sockets (inodes) made while the current round's group formed (sever.py)
+_round_sockets: set[int] = set()
 
 
 def default_backend() -> str:
@@ -67,6 +72,12 @@ def form_group(backend: str, addr: str, port: int, rank: int, world_size: int, t
     """Destroy any current default group and initialise a new one (rank 0 passes the
     ``hosted`` store it published; the others connect to ``addr:port``)."""
     destroy_group()
+    with round_connections():
+        return _form(backend, addr, port, rank, world_size, timeout, hosted)
+
+
+def _form(backend: str, addr: str, port: int, rank: int, world_size: int, timeout: float,
+          hosted: dist.TCPStore | None) -> Group:
     # torch names a process's groups by a counter that only a successful group's destroy
     # resets, and prefixes their store keys with it: after a failed init, this process
     # would wait on other keys than its peers, for ever
@@ -79,10 +90,25 @@ def form_group(backend: str, addr: str, port: int, rank: int, world_size: int, t
     return Group(backend, rank, world_size, store, control)
 
 
+@contextmanager
+def round_connections() -> Iterator[None]:
+    """Count the TCP connections made inside (gloo's pairs of a group formed there, the
+    round's store) as the current round's: :func:`destroy_group` shuts them down."""
+    before = tcp_sockets()
+    try:
+        yield
+    finally:
+        _round_sockets.update(tcp_sockets() - before)
+
+
 def destroy_group() -> None:
     """Tear down the default process group and every other group, if any (a broken one
     included), and let go of the references torch itself kept to them
-    (:func:`forget_destroyed_groups`)."""
+    (:func:`forget_destroyed_groups`). The connections made for the group are shut down
+    first: whatever still holds it (FSDP2's mesh) cannot keep a peer waiting on this rank
+    (``sever.py``)."""
+    sever_sockets(set(_round_sockets))
+    _round_sockets.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
     forget_destroyed_groups()

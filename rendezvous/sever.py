@@ -1,4 +1,4 @@
-"""Cutting this process's connections to a host that is gone.
+"""Cutting this process's connections: to a host that is gone, or of a round left broken.
 
 A host that dies or drops off the network sends nothing - no FIN, no RST - so a peer
 blocked in a collective with it waits for the whole collective timeout (60 s by
@@ -7,6 +7,12 @@ lease while this worker could reach the store. Then it shuts down this process's
 connections to that address (gloo's pairs, the round's TCPStore): the blocked collective
 fails at once with "connection closed", and the survivors re-form in a failure round, as
 after any peer failure.
+
+A survivor that leaves a broken round (:func:`~.process_group.destroy_group`) cuts that
+round's own connections (:func:`sever_sockets`, the sockets :func:`tcp_sockets` found
+made while the round's group formed). Destroying a gloo group closes them - unless
+something still holds the group, as FSDP2's mesh and DTensors do - and until they close,
+a peer blocked on this rank in a collective of that round waits out the timeout.
 
 ``shutdown`` acts on the connection, not on one descriptor, so shutting down a duplicate
 of the descriptor ends the connection for the transport that owns it; nothing of the
@@ -22,6 +28,7 @@ import socket
 import psutil
 
 log = logging.getLogger(__name__)
+ESTABLISHED = "01"  # a connection's state in /proc/net/tcp
 
 
 def sever(address: str) -> int:
@@ -33,14 +40,67 @@ def sever(address: str) -> int:
             continue
         if conn.status != psutil.CONN_ESTABLISHED:
             continue
-        try:
-            dup = os.dup(conn.fd)
-        except OSError:  # closed meanwhile: nothing to cut
-            continue
-        with socket.socket(fileno=dup) as sock:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
-            except OSError:  # already down
-                continue
+        cut += _shutdown(conn.fd)
     return cut
+
+
+def tcp_sockets() -> set[int]:
+    """The inodes of this process's established TCP connections (Linux's /proc; empty
+    elsewhere). Never a listening socket: gloo aborts the process when its listener's
+    accept fails."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    mine = set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            mine.add(int(link[8:-1]))
+    tcp = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)  # (the header)
+                tcp.update(int(cols[9]) for cols in map(str.split, f)
+                           if cols[3] == ESTABLISHED)
+        except OSError:  # no IPv6 here, or no /proc
+            continue
+    return mine & tcp
+
+
+def sever_sockets(inodes: set[int]) -> int:
+    """Shut down this process's sockets of ``inodes`` (from :func:`tcp_sockets`); returns
+    how many. Their owners keep their descriptors: nothing is closed or freed here."""
+    if not inodes:
+        return 0
+    cut = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not link.startswith("socket:[") or int(link[8:-1]) not in inodes:
+            continue
+        cut += _shutdown(int(fd))
+    return cut
+
+
+def _shutdown(fd: int) -> int:
+    try:
+        dup = os.dup(fd)
+    except OSError:  # closed meanwhile: nothing to cut
+        return 0
+    with socket.socket(fileno=dup) as sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            return 1
+        except OSError:  # already down
+            return 0

@@ -64,6 +64,7 @@ from pollux_launch.elastic.failures import StateLost, first_line, is_peer_failur
 from pollux_launch.rendezvous.process_group import (
     broadcast_state,
     release_at_exit,
+    round_connections,
     share_state,
     vote_any,
 )
@@ -621,7 +622,8 @@ class _ShardedHooks(_TorchHooks):
             return None  # every rank writes its shard: only at a scheduled point
         self._settle()
         if self._ckpt_group is None:  # collective, as every rank is here
-            self._ckpt_group = torch.distributed.new_group(backend="gloo")
+            with round_connections():  # (cut with the round's, should it break)
+                self._ckpt_group = torch.distributed.new_group(backend="gloo")
         name = f"shards-{t.controller.steps:08d}"
         self._saving = save_sharded(t.module, t.optimizer, str(ckpts.directory / name),
                                     self._ckpt_group)
