@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the tests need and runs the whole suite:
-#   Debian's etcd-server (a real etcd for the store tests) and g++ (DeepSpeed's CPU op JIT,
-#   the Horovod build), the .venv with every extra, Horovod (built once, then installed
+#   Debian's etcd-server (a real etcd for the store tests), slurm-wlm and munge (a real
+#   Slurm) and g++ (DeepSpeed's CPU op JIT, the Horovod build), the .venv with every extra, Horovod (built once, then installed
 #   from a wheel cached outside the repo: scripts/install-horovod.sh), then ruff and pytest.
 # Extra arguments go to pytest.
 set -euo pipefail
@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v slurmctld >/dev/null 2>&1 || need_apt+=(slurm-wlm)  # a real Slurm (tests/e2e/slurm.py)
+command -v munged >/dev/null 2>&1 || need_apt+=(munge)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "test.sh: installing Debian packages: ${need_apt[*]}"
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -1,11 +1,7 @@
 """Starts and stops local `pollux-run agent` processes as if they were machines.
 
-Three faces, chosen by how it is called (the test puts them on PATH):
-
-* ``fake_nodes.py up N`` / ``fake_nodes.py down NODE...``: a ``command`` provisioner;
-* ``sbatch --parsable ... --wrap CMD``: starts ``CMD`` with ``$SLURM_JOB_ID`` set,
-  prints the job id;
-* ``scancel ID...``: stops those jobs.
+``fake_nodes.py up N`` / ``fake_nodes.py down NODE...``: a ``command`` provisioner (the
+test puts it on PATH).
 
 State (pids, a log of calls) lives in ``$FAKE_NODES_DIR``; agents reach the store at
 ``$FAKE_NODES_STORE`` under ``$FAKE_NODES_PREFIX``. Each agent has 1 slot. A machine of
@@ -57,18 +53,6 @@ def agent(name: str) -> list[str]:
 
 def main(prog: str, args: list[str]) -> int:
     log(prog, *args)
-    if prog == "sbatch":
-        job = str(len(list(DIR.glob("slurm-*"))) + 1000)
-        (DIR / f"slurm-{job}").touch()
-        command = args[args.index("--wrap") + 1]
-        start(f"job{job}", ["/bin/sh", "-c", f"exec {command}"],  # (signals reach it)
-              {**os.environ, "SLURM_JOB_ID": job})
-        print(job)
-        return 0
-    if prog == "scancel":
-        for job in args:
-            stop(f"job{job}")
-        return 0
     if args[0] == "up":
         for _ in range(int(args[1])):
             n = len(list(DIR.glob("made-*"))) + 1

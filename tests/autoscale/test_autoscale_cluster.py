@@ -1,6 +1,6 @@
 """The coordinator's autoscaler on a real local cluster: node agents as machines, started
-and stopped by the provisioners (a ``command`` executable, and fake ``sbatch``/``scancel``
-that really start and stop agents, since no Slurm runs here).
+and stopped by the ``command`` provisioner (the ``slurm`` one meets a real Slurm in
+tests/e2e/test_slurm.py).
 
 A job runs on the one node there is; the cluster grows to two through the provisioner
 while it runs (it is never stopped), and back to one when it ends; ``pollux-run status``
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -80,11 +79,9 @@ def cluster(tmp_path, etcd_server):
     fake.mkdir()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("fake_nodes.py", "sbatch", "scancel"):
-        target = bin_dir / name
-        target.write_text(f"#!{sys.executable}\n" + (HERE / "fake_nodes.py").read_text())
-        target.chmod(0o755)
-    shutil.copy(POLLUX_RUN, bin_dir / "pollux-run")  # what a slurm node runs, by name
+    target = bin_dir / "fake_nodes.py"
+    target.write_text(f"#!{sys.executable}\n" + (HERE / "fake_nodes.py").read_text())
+    target.chmod(0o755)
     env = {**os.environ, "FAKE_NODES_DIR": str(fake), "FAKE_NODES_STORE": url,
            "FAKE_NODES_PREFIX": prefix, "POLLUX_STORE_PREFIX": prefix,
            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
@@ -112,16 +109,13 @@ def cluster(tmp_path, etcd_server):
             pass
 
 
-@pytest.mark.parametrize("provisioner", ["command", "slurm"])
-def test_the_cluster_grows_while_a_job_runs_and_shrinks_when_it_ends(cluster, provisioner):
+def test_the_cluster_grows_while_a_job_runs_and_shrinks_when_it_ends(cluster):
     url, prefix, fake, env, start, tmp = cluster
     start("agent", "--node-name", "base", "--slots", "1",
           "--state-dir", str(tmp / "state-base"), log="base.log")
-    how = (["--provisioner-command", "fake_nodes.py"] if provisioner == "command"
-           else ["--provisioner", "slurm", "--agent-args",
-                 f"--slots 1 --state-dir {tmp / 'state-slurm'}"])
-    start("coordinator", "--interval", "1", "--autoscale", "1:2",
-          "--scale-interval", "1", "--min-node-lifetime", "0", *how, log="coordinator.log")
+    start("coordinator", "--interval", "1", "--autoscale", "1:2", "--scale-interval", "1",
+          "--min-node-lifetime", "0", "--provisioner-command", "fake_nodes.py",
+          log="coordinator.log")
     with open_store(url, prefix) as store:
         wait_for(lambda: nodes(store) == ["base"], 60, "the first node")
         with steady_job(url, prefix, env, tmp) as job:
@@ -143,12 +137,8 @@ def test_the_cluster_grows_while_a_job_runs_and_shrinks_when_it_ends(cluster, pr
         shrunk = decode(AutoscaleStatus, store.get(keys.AUTOSCALE).value)
         assert shrunk.target == 1 and "no work" in shrunk.reason
     calls = [json.loads(line) for line in (fake / "calls.jsonl").read_text().splitlines()]
-    if provisioner == "command":
-        assert calls[0] == ["fake_nodes.py", "up", "1"]
-        assert calls[-1][:2] == ["fake_nodes.py", "down"]
-    else:
-        assert calls[0][0] == "sbatch" and "--wrap" in calls[0]
-        assert calls[-1][0] == "scancel"
+    assert calls[0] == ["fake_nodes.py", "up", "1"]
+    assert calls[-1][:2] == ["fake_nodes.py", "down"]
 
 
 def test_a_failing_provisioner_is_logged_once_and_scheduling_goes_on(cluster):

@@ -1,0 +1,110 @@
+"""The autoscaler's ``slurm`` provisioner against a real Slurm (``slurm.py``): slurmctld
+and two slurmd "machines" in network namespaces. The cluster grows by a real batch job
+that runs ``pollux-run agent`` on a Slurm node (registered with that node's address) and
+shrinks, once the job that needed it ended, by ``scancel`` of that batch job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hosts import HostNet, netns_available
+from slurm import Slurm, slurm_available
+from waiting import wait_for  # tests/waiting.py
+
+from pollux_launch import keys
+from pollux_launch.coordinator.provisioners import SLURM_PREFIX
+from pollux_launch.messages import AutoscaleStatus, JobStatus, NodeInfo, decode
+from pollux_launch.rendezvous.store import open_store
+
+POLLUX_RUN = str(Path(sys.executable).with_name("pollux-run"))
+pytestmark = [
+    pytest.mark.skipif(not netns_available(), reason="needs root and network namespaces"),
+    pytest.mark.skipif(slurm_available() is not None, reason=str(slurm_available())),
+]
+
+
+@pytest.fixture
+def net():
+    with HostNet() as net:
+        yield net
+
+
+@pytest.fixture
+def slurm(net, tmp_path):
+    hosts = [net.add_host("s1"), net.add_host("s2")]
+    with Slurm(tmp_path / "slurm", str(net.gateway), hosts) as s:
+        s.wait_idle()
+        yield s
+
+
+def _nodes(store) -> dict[str, NodeInfo]:
+    found = [decode(NodeInfo, kv.value) for kv in store.get_prefix(keys.NODES)]
+    return {n.name: n for n in found if n.slots > 0}
+
+
+def test_slurm_provisioner_grows_by_a_real_batch_job_and_shrinks_by_scancel(
+        net, slurm, etcd_factory, tmp_path):
+    etcd = etcd_factory(host=net.gateway)
+    prefix = "/slurm-autoscale"
+    env = {**slurm.env, "OMP_NUM_THREADS": "1", "POLLUX_STORE_PREFIX": prefix,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    procs = []
+
+    def start(*argv: str, log: str, command: tuple[str, ...] = ()) -> subprocess.Popen:
+        with open(tmp_path / log, "w") as out:
+            procs.append(subprocess.Popen([POLLUX_RUN, *argv, "--store", etcd.url,
+                                           "--store-prefix", prefix, *command], env=env,
+                                          stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path))
+        return procs[-1]
+
+    (tmp_path / "job.py").write_text("import os, time\nwhile not os.path.exists('stop'):\n"
+                                     "    time.sleep(0.2)\n")
+    try:
+        start("agent", "--node-name", "base", "--slots", "1",
+              "--state-dir", str(tmp_path / "state-base"), log="base.log")
+        start("coordinator", "--interval", "1", "--autoscale", "1:2", "--scale-interval", "1",
+              "--min-node-lifetime", "0", "--provisioner", "slurm", "--agent-args",
+              f"--slots 1 --state-dir {tmp_path / 'state-slurm'}", log="coordinator.log")
+        with open_store(etcd.url, prefix) as store:
+            wait_for(lambda: list(_nodes(store)) == ["base"], 60, "the first node")
+            job = start("--job-name", "steady", "-np", "1", log="job.log",
+                        command=(sys.executable, "job.py"))
+            grown = wait_for(lambda: len(n := _nodes(store)) == 2 and n, 120,
+                             "a second node from a Slurm batch job")
+            [name] = set(grown) - {"base"}
+            [(job_id, state, node)] = slurm.jobs()
+            assert name == f"{SLURM_PREFIX}{job_id}" and state == "RUNNING", (name, slurm.jobs())
+            host = slurm.hosts[slurm.nodes.index(node)]
+            assert grown[name].address == host.address  # the agent runs on that machine
+            status = wait_for(lambda: (a := decode(AutoscaleStatus, store.get(
+                keys.AUTOSCALE).value)).nodes == 2 and a, 30, "the autoscaler to see both")
+            assert status.target == 2, status
+            (tmp_path / "stop").touch()
+            assert job.wait(timeout=120) == 0, (tmp_path / "job.log").read_text()[-3000:]
+            assert decode(JobStatus, store.get(keys.job("steady", "status")).value).state \
+                == "succeeded"
+            wait_for(lambda: list(_nodes(store)) == ["base"], 120, "the cluster back to one")
+            wait_for(lambda: not slurm.jobs(), 60, "the batch job cancelled")
+        log = (tmp_path / "coordinator.log").read_text()
+        assert "submitted batch job" in log, log[-3000:]
+        wait_for(lambda: not [p for p in host.pids() if "agent" in _cmdline(p)[1:3]], 30,
+                 "the agent to end on its machine")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
