@@ -4,6 +4,7 @@ records a running worker is still writing."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,6 +19,19 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def end_processes(procs, timeout: float = 30) -> None:
+    """SIGTERM every process of ``procs`` (``subprocess.Popen``), then wait for each,
+    killing one that outlives ``timeout``."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def jsonl_records(path: Path) -> list[dict]:

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from waiting import wait_for  # tests/waiting.py
+from waiting import end_processes, wait_for  # tests/waiting.py
 
 from pollux_launch import keys
 from pollux_launch.messages import AutoscaleStatus, JobStatus, NodeInfo, decode
@@ -95,13 +95,7 @@ def cluster(tmp_path, etcd_server):
         return proc
 
     yield url, prefix, fake, env, start, tmp_path
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    end_processes(procs)
     for pid_file in fake.glob("*.pid"):  # machines the test left running
         try:
             os.kill(int(pid_file.read_text()), 15)

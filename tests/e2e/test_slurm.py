@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hosts import HostNet, netns_available
 from slurm import Slurm, slurm_available
-from waiting import wait_for  # tests/waiting.py
+from waiting import end_processes, wait_for  # tests/waiting.py
 
 from pollux_launch import keys
 from pollux_launch.coordinator.provisioners import SLURM_PREFIX
@@ -94,13 +94,7 @@ def test_slurm_provisioner_grows_by_a_real_batch_job_and_shrinks_by_scancel(
         wait_for(lambda: not [p for p in host.pids() if "agent" in _cmdline(p)[1:3]], 30,
                  "the agent to end on its machine")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        end_processes(procs)
 
 
 def _cmdline(pid: int) -> list[str]:
