@@ -672,7 +672,8 @@ class ElasticController:
         if self.group.rank == 0 and self.checkpoints is not None:
             log.warning("SIGTERM: writing a final checkpoint")
             self.checkpoints.flush()
-            self._checkpoint(collective=False, wait=True)
+            # (alone, a collective needs no peer: a one-rank sharded job writes its shards)
+            self._checkpoint(collective=self.group.world_size == 1, wait=True)
         self._end_by_sigterm()
 
     def _end_by_sigterm(self) -> None:

@@ -141,23 +141,25 @@ def test_a_sigkilled_rank_of_a_sharded_job_with_a_checkpoint_goes_on_from_it(
     assert survivors & before, "the survivors kept their processes"
 
 
+@pytest.mark.parametrize("replicas", [2, 1])
 def test_sigterm_to_a_sharded_job_writes_a_final_checkpoint_with_every_rank(
-        tmp_path: Path, capfd) -> None:
+        tmp_path: Path, capfd, replicas: int) -> None:
     """SIGTERM to every worker of a sharded job (a cancel, a drain, a batch system's
     preemption), no periodic checkpoint yet: no rank can write the state alone, so they
     agree at the next vote, write the final checkpoint together (every rank its shards)
-    and end by the signal, all at the same step. The workers that replace them resume
-    from it: the same step, the whole model and Adam state bit for bit."""
+    and end by the signal, all at the same step (one rank alone writes it at once). The
+    workers that replace them resume from it: the same step, the whole model and Adam
+    state bit for bit."""
     env = {"N": str(N), "SHARDING": "", "CKPT_DIR": str(tmp_path / "ckpt")}
     with agent_job(tmp_path, "term", WORKER, env) as job:
-        job.allocate(2)
+        job.allocate(replicas)
 
         def steps() -> list[dict]:
             return [r for rs in job.records().values() for r in rs if r["kind"] == "step"]
 
-        wait_for(lambda: sum(r["step"] >= 5 for r in steps()) >= 2, 180, "5 steps")
+        wait_for(lambda: sum(r["step"] >= 5 for r in steps()) >= replicas, 180, "5 steps")
         first = {r["pid"] for r in steps()}
-        assert len(first) == 2 and not (tmp_path / "ckpt" / "latest").exists()
+        assert len(first) == replicas and not (tmp_path / "ckpt" / "latest").exists()
         for pid in first:
             os.kill(pid, signal.SIGTERM)
         resumed = wait_for(lambda: [r for rs in job.records().values() for r in rs
@@ -167,15 +169,19 @@ def test_sigterm_to_a_sharded_job_writes_a_final_checkpoint_with_every_rank(
         assert job.finished().state == "succeeded"
         logs = job.records()
     out = capfd.readouterr().out
-    assert out.count("SIGTERM: writing a final checkpoint with the job's other ranks") == 2, out
+    said = ("SIGTERM: writing a final checkpoint with the job's other ranks" if replicas > 1
+            else "SIGTERM: writing a final checkpoint")
+    assert out.count(said) == replicas, out
     last = {r["pid"]: r["step"] for rs in logs.values() for r in rs
             if r["kind"] == "step" and r["pid"] in first}
     assert len(set(last.values())) == 1, last  # both ended at the same step
     [final] = set(last.values())
-    states = {r["digest"] for rs in logs.values() for r in rs if r["kind"] == "state"
-              and r["when"] == "step" and r["step"] == final and r["round"] == 1}
-    assert len(states) == 1
-    assert {(r["step"], r["digest"]) for r in resumed} == {(final, *states)}, resumed
+    assert {r["step"] for r in resumed} == {final}, resumed
+    if replicas > 1:  # (the state's digest is logged after the vote's step: not alone)
+        states = {r["digest"] for rs in logs.values() for r in rs if r["kind"] == "state"
+                  and r["when"] == "step" and r["step"] == final and r["round"] == 1}
+        assert len(states) == 1
+        assert {r["digest"] for r in resumed} == states, resumed
     carried = [r for rs in logs.values() for r in rs if r["kind"] == "step"]
     _each_epoch_saw_every_sample_once(carried)
 
