@@ -68,6 +68,10 @@ def _launch(argv: list[str]) -> int:
     opts = parse_launch_args(argv)
     logging.basicConfig(level=opts.log_level.replace("TRACE", "DEBUG").replace("FATAL", "CRITICAL"),
                         format="[pollux] %(levelname)s %(name)s: %(message)s")
+    if opts.slurm:
+        from .launcher.slurm_allocation import launch_in_allocation
+
+        return launch_in_allocation(opts, launch)
     return launch(opts)
 
 

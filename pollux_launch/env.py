@@ -56,6 +56,12 @@ HVD_WARM = "POLLUX_HVD_WARM"
 HVD_WARM_COMMAND = "POLLUX_HVD_WARM_COMMAND"
 HVD_ZYGOTE = "POLLUX_HVD_ZYGOTE"
 
+# Slurm's, read by `pollux-run --slurm` inside an allocation (launcher/slurm_allocation.py)
+# and by the node agent that srun starts there (its default node name)
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
+SLURMD_NODENAME = "SLURMD_NODENAME"
+
 # The user's state folder (XDG's name; unset or relative: ~/.local/state): a local
 # pollux-run keeps its job's output under it (launcher/logs.py: local_log_dir)
 STATE_HOME = "XDG_STATE_HOME"

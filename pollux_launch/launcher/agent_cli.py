@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 
+from .. import env as envvars
 from ..arguments import lease_seconds, name, node_address
 from ..arguments import slots as slot_count
 from ..messages import NodeInfo
@@ -22,13 +23,16 @@ from ..rendezvous.network import advertised_address, interface_of
 from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
 from . import security
 from .devices import detect_gpus, node_slots, parse_gpus
+from .logs import state_home
 from .node_agent import NodeAgent
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
-    parser.add_argument("--node-name", type=name, default=socket.gethostname(),
-                        help="this node's name")
+    parser.add_argument("--node-name", type=name,
+                        default=os.environ.get(envvars.SLURMD_NODENAME) or socket.gethostname(),
+                        help="this node's name (default: Slurm's name for it where srun "
+                        "started the agent, else the host name)")
     parser.add_argument("--slots", type=slot_count, default=None,
                         help="workers this node can run (default: its GPUs, else CPU cores)")
     parser.add_argument("--gpus", default=None, metavar="N|IDS",
@@ -46,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-filename", help="directory for per-worker logs")
     parser.add_argument("--state-dir", default=None,
                         help="where the agent keeps what outlives it, e.g. the submissions "
-                        "it finished (default: ~/.local/state/pollux-launch/agent-NODE)")
+                        "it finished (default: $XDG_STATE_HOME or ~/.local/state, then "
+                        "pollux-launch/agent-NODE)")
     parser.add_argument("--log-dir", default=None,
                         help="where the agent keeps its jobs' output, one folder per job, "
                         "served to `pollux-run logs` (default: STATE_DIR/logs)")
@@ -61,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
     gpus = parse_gpus(args.gpus) if args.gpus is not None else detect_gpus()
     slots = node_slots(gpus, args.slots)
     secret = security.load_secret(args.secret_file)
-    state_dir = args.state_dir or os.path.join(
-        os.path.expanduser("~"), ".local", "state", "pollux-launch", f"agent-{args.node_name}")
+    state_dir = args.state_dir or str(state_home() / "pollux-launch" / f"agent-{args.node_name}")
     if secret is None:
         logging.warning("no cluster secret set: this agent runs any job in the store")
     store, url = open_from_args(args)

@@ -48,6 +48,7 @@ class LaunchOptions:
     min_batch_size: int | None = None  # the job's batch-size range (None: the script's)
     max_batch_size: int | None = None
     gpus: tuple[str, ...] | None = None  # local mode: this machine's GPUs (None: detected)
+    slurm: bool = False  # run on the Slurm allocation it is in (launcher/slurm_allocation.py)
 
     @property
     def elastic(self) -> bool:

@@ -155,10 +155,15 @@ def local_log_dir() -> Path:
     """Where this user's local (embedded-store) ``pollux-run`` keep their jobs' output:
     ``$XDG_STATE_HOME`` (when absolute, as XDG says), else ``~/.local/state`` - the root of
     the agents' default state folders too - then ``pollux-launch/local/logs``."""
+    return Path(state_home(), *LOCAL_LOGS)
+
+
+def state_home() -> Path:
+    """``$XDG_STATE_HOME`` when absolute (as XDG says), else ``~/.local/state``."""
     base = os.environ.get(envvars.STATE_HOME, "")
     if not os.path.isabs(base):
         base = os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base, *LOCAL_LOGS)
+    return Path(base)
 
 
 def make_local_log_dir() -> Path:

@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the job changes size: live (re-form in place: the pollux API, "
                    "Horovod Elastic), restart (stop and start every worker with torchrun's "
                    "variables), fixed (never); default: detected from the script")
+    x.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm allocation (sbatch/salloc): run the job on all its "
+                   "nodes - a node agent on each through srun, the coordinator here, the "
+                   "store given by --store or an etcd started here")
     x.add_argument("--restart-grace", type=seconds_or_zero, default=30.0,
                    help="seconds between SIGTERM and SIGKILL when a restart-elastic job's "
                    "workers are stopped (default 30, as torchrun)")
@@ -464,6 +468,7 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         stop_grace=ns.restart_grace, reports_goodput=uses_pollux_api(command, cwd),
         min_batch_size=ns.min_batch_size, max_batch_size=ns.max_batch_size,
         gpus=parse_gpus(ns.gpus) if ns.gpus is not None else None,
+        slurm=ns.slurm,
     )
 
 

@@ -5,6 +5,7 @@ shrinks, once the job that needed it ended, by ``scancel`` of that batch job."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -102,3 +103,48 @@ def _cmdline(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
+
+
+WORKER = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+               "node": os.environ.get("POLLUX_NODE"), "pid": os.getpid()}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_pollux_run_in_an_sbatch_script_runs_the_job_on_every_node_of_the_allocation(
+        slurm, tmp_path):
+    """``pollux-run --slurm`` in a 2-node batch script: an etcd and the coordinator on the
+    batch node, a node agent on each node through srun; a 4-rank torchrun-style job runs
+    across both nodes' 2 CPUs and succeeds; nothing of pollux's is left on the nodes."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "out").mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\nexec pollux-run --slurm --job-name span -np 4 "
+                      f"{sys.executable} worker.py out\n")
+    env = {**slurm.env, "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    batch = subprocess.run(["sbatch", "--parsable", "-N", "2", "--chdir", str(tmp_path),
+                            "--output", str(tmp_path / "batch.out"), str(script)], env=env,
+                           capture_output=True, text=True, check=True, timeout=30)
+    job_id = batch.stdout.strip()
+    wait_for(lambda: not slurm.jobs(), 240, "the batch job to end")
+    text = (tmp_path / "batch.out").read_text()
+    assert f"[pollux] Slurm job {job_id}: 2 node(s) (n1, n2)" in text, text[-3000:]
+    assert "span: succeeded, exit code 0" in text, text[-3000:]
+    ranks = [json.loads(p.read_text()) for p in (tmp_path / "out").glob("rank*.json")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3], ranks
+    assert {r["sum"] for r in ranks} == {4.0} and {r["world"] for r in ranks} == {4}
+    assert {r["node"] for r in ranks} == {"n1", "n2"}  # across the allocation
+    for host in slurm.hosts:
+        left = [p for p in host.pids() if any(w in " ".join(_cmdline(p))
+                                              for w in ("pollux-run", "etcd", "worker.py"))]
+        assert not left, [_cmdline(p) for p in left]

@@ -1,0 +1,201 @@
+"""``pollux-run --slurm``: the Slurm allocation this runs in (an ``sbatch`` script, an
+``salloc`` shell) as a pollux cluster for the allocation's lifetime, with no daemon of
+pollux's on the nodes before or after.
+
+1. The allocation: its job id and nodes (``SLURM_JOB_ID``, ``scontrol show hostnames
+   $SLURM_JOB_NODELIST``), and the address of this (the batch) node as Slurm knows it
+   (``scontrol show node``: its ``NodeAddr``).
+2. The store: ``--store`` when given; else an ``etcd`` (Debian's ``etcd-server``) started
+   here on that address, its data in a temporary folder, removed at the end.
+3. The coordinator: ``pollux-run coordinator`` here, against that store.
+4. A node agent on every node of the allocation: one ``srun --ntasks-per-node=1
+   --overlap`` step running ``pollux-run agent`` (its node name is Slurm's, from
+   ``SLURMD_NODENAME``; its slots the node's GPUs, else its CPUs); no ssh.
+5. The job: submitted and followed as in any cluster, once every node's agent has
+   registered; its exit code is ``pollux-run``'s. The cluster secret (the user's, else
+   a random one for this run) signs the job's spec and lets this node read the workers'
+   output on the others: the agents get it in srun's environment, never in a file
+   other nodes must reach, an argument or a worker's environment.
+
+Then the agents (SIGTERM to the srun step: they drain), the coordinator and the etcd
+stop, in that order, whatever the job's end. Outside an allocation, or without the
+Slurm commands or ``etcd``, one line says what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import env as envvars
+from .. import keys
+from ..errors import UserError
+from ..rendezvous.store import StoreError, open_store
+from . import security
+from .launch_options import LaunchOptions
+
+log = logging.getLogger(__name__)
+# How long the allocation's services get to come up (etcd, every node's agent).
+START_TIMEOUT = 120.0
+
+
+class AllocationError(UserError):
+    """Not in a Slurm allocation, or what running on one needs is missing."""
+
+
+@dataclass(frozen=True)
+class SlurmAllocation:
+    job_id: str
+    nodes: tuple[str, ...]
+    address: str  # this (the batch) node's, as Slurm reaches it
+
+
+def read_allocation(env: dict[str, str] | None = None) -> SlurmAllocation:
+    """The allocation this process runs in. Raises AllocationError (one line)."""
+    env = dict(os.environ if env is None else env)
+    job_id, nodelist = env.get(envvars.SLURM_JOB_ID), env.get(envvars.SLURM_JOB_NODELIST)
+    if not job_id or not nodelist:
+        raise AllocationError("--slurm: not inside a Slurm allocation (no SLURM_JOB_ID / "
+                              "SLURM_JOB_NODELIST): run it in an sbatch script or salloc")
+    for tool in ("scontrol", "srun"):
+        if shutil.which(tool) is None:
+            raise AllocationError(f"--slurm: `{tool}` is not on PATH")
+    nodes = tuple(_scontrol("show", "hostnames", nodelist).split())
+    here = env.get(envvars.SLURMD_NODENAME) or nodes[0]
+    fields = dict(f.split("=", 1) for f in _scontrol("show", "node", here, "-o").split()
+                  if "=" in f)
+    address = fields.get("NodeAddr") or here
+    with suppress(OSError):  # a host name: the address it resolves to here
+        address = socket.gethostbyname(address)
+    return SlurmAllocation(job_id, nodes, address)
+
+
+def _scontrol(*args: str) -> str:
+    try:
+        return subprocess.run(["scontrol", *args], capture_output=True, text=True,
+                              check=True, timeout=30).stdout
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        raise AllocationError(f"--slurm: scontrol {' '.join(args)} failed: "
+                              f"{(getattr(exc, 'stderr', '') or str(exc)).strip()[:200]}") from None
+
+
+def launch_in_allocation(opts: LaunchOptions, launch: Callable[[LaunchOptions], int]) -> int:
+    """Run ``opts``' job on the allocation (module docstring); its exit code."""
+    alloc = read_allocation()
+    print(f"[pollux] Slurm job {alloc.job_id}: {len(alloc.nodes)} node(s) "
+          f"({', '.join(alloc.nodes)[:200]})", flush=True)
+    with tempfile.TemporaryDirectory(prefix=f"pollux-slurm-{alloc.job_id}-") as tmp:
+        secret_file = Path(tmp) / "secret"  # (this node's: the launcher's)
+        secret = security.load_secret(opts.secret_file) or secrets.token_hex(32).encode()
+        secret_file.touch(mode=0o600)
+        secret_file.write_bytes(secret)
+        with _services(alloc, opts, Path(tmp), secret) as url:
+            return launch(dataclasses.replace(opts, store=url, slurm=False,
+                                              secret_file=str(secret_file)))
+
+
+@contextmanager
+def _services(alloc: SlurmAllocation, opts: LaunchOptions, tmp: Path,
+              secret: bytes) -> Iterator[str]:
+    procs: list[subprocess.Popen] = []  # stopped in reverse order of start
+    try:
+        url = opts.store or _start_etcd(alloc.address, tmp, procs)
+        pollux = _pollux_run()
+        store_args = ["--store", url, "--store-prefix", opts.store_prefix]
+        procs.append(_start([*pollux, "coordinator", *store_args], tmp / "coordinator.log"))
+        procs.append(_start(["srun", f"--nodes={len(alloc.nodes)}",
+                             f"--ntasks={len(alloc.nodes)}", "--ntasks-per-node=1",
+                             "--overlap", "--kill-on-bad-exit=0", *pollux, "agent",
+                             *store_args],  # (state: each node's own, by its name)
+                            tmp / "agents.log",
+                            # the cluster secret, for the agents only: srun passes its
+                            # environment to its tasks (no file every node must reach;
+                            # the agents give workers none of the SECRETS variables)
+                            {**os.environ, envvars.SECRET: secret.decode()}))
+        _wait_for_agents(url, opts, alloc, procs)
+        yield url
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+def _pollux_run() -> list[str]:
+    exe = Path(sys.executable).with_name("pollux-run")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "pollux_launch.cli"]
+
+
+def _start(argv: list[str], log_file: Path,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(log_file, "w") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
+
+
+def _stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def _start_etcd(address: str, tmp: Path, procs: list[subprocess.Popen]) -> str:
+    if shutil.which("etcd") is None:
+        raise AllocationError("--slurm: no --store and no `etcd` here to start one: install "
+                              "Debian's etcd-server (or pass --store etcd://HOST:PORT)")
+    client, peer = _free_port(address), _free_port("127.0.0.1")
+    url = f"http://{address}:{client}"
+    procs.append(_start(["etcd", "--name", "pollux", "--data-dir", str(tmp / "etcd"),
+                         "--listen-client-urls", url, "--advertise-client-urls", url,
+                         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                         "--initial-cluster", f"pollux=http://127.0.0.1:{peer}"],
+                        tmp / "etcd.log"))
+    return f"etcd://{address}:{client}"
+
+
+def _wait_for_agents(url: str, opts: LaunchOptions, alloc: SlurmAllocation,
+                     procs: list[subprocess.Popen]) -> None:
+    """Until every node of the allocation has registered (the store up first)."""
+    deadline, said = time.monotonic() + START_TIMEOUT, 0.0
+    want = set(alloc.nodes)
+    while True:
+        seen: set[str] = set()
+        with suppress(StoreError), open_store(url, opts.store_prefix,
+                                              **opts.store_options) as store:
+            seen = {kv.key.rsplit("/", 1)[-1] for kv in store.get_prefix(keys.NODES)}
+        if want <= seen:
+            return
+        dead = [p for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            missing = ", ".join(sorted(want - seen))[:200]
+            raise AllocationError(f"--slurm: no node agent registered on {missing} "
+                                  + (f"({Path(str(dead[0].args[0])).name} exited "
+                                     f"{dead[0].returncode})" if dead
+                                     else f"within {START_TIMEOUT:.0f} s"))
+        if time.monotonic() - said > 10:
+            said = time.monotonic()
+            print(f"[pollux] Slurm job {alloc.job_id}: waiting for the node agents "
+                  f"({len(seen & want)}/{len(want)})", flush=True)
+        time.sleep(0.5)
