@@ -18,8 +18,17 @@ pollux's on the nodes before or after.
    other nodes must reach, an argument or a worker's environment.
 
 Then the agents (SIGTERM to the srun step: they drain), the coordinator and the etcd
-stop, in that order, whatever the job's end. Outside an allocation, or without the
-Slurm commands or ``etcd``, one line says what is missing.
+stop, in that order, whatever the job's end.
+
+Preemption: SIGTERM (``scancel``, the time limit) cancels the job - every worker gets
+SIGTERM, and one with ``--checkpoint-dir`` writes its final checkpoint before it ends;
+the warning signal SIGUSR1 (``#SBATCH --signal=B:USR1@90`` with ``exec pollux-run``, or
+``scancel --signal=USR1 --batch``) does the same, then requeues the batch job
+(``scontrol requeue``: submit it with ``--requeue``) once everything has stopped; the
+requeued run resumes the job from those checkpoints at whatever size it then has.
+
+Outside an allocation, or without the Slurm commands or ``etcd``, one line says what is
+missing.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from pathlib import Path
 from .. import env as envvars
 from .. import keys
 from ..errors import UserError
+from ..messages import MessageError, NodeInfo, decode
 from ..rendezvous.store import StoreError, open_store
 from . import security
 from .launch_options import LaunchOptions
@@ -92,19 +102,70 @@ def _scontrol(*args: str) -> str:
                               f"{(getattr(exc, 'stderr', '') or str(exc)).strip()[:200]}") from None
 
 
+class _Stopped(Exception):
+    """SIGTERM before the job was submitted (its follower then cancels it instead)."""
+
+
 def launch_in_allocation(opts: LaunchOptions, launch: Callable[[LaunchOptions], int]) -> int:
     """Run ``opts``' job on the allocation (module docstring); its exit code."""
     alloc = read_allocation()
     print(f"[pollux] Slurm job {alloc.job_id}: {len(alloc.nodes)} node(s) "
           f"({', '.join(alloc.nodes)[:200]})", flush=True)
+    warned: list[int] = []
+    starting = [True]  # (then the job's follower handles SIGTERM; the teardown must end)
+
+    def on_warning(signum: int, _frame: object) -> None:
+        warned.append(signum)
+        signal.raise_signal(signal.SIGTERM)  # (the job's follower: cancel, i.e. SIGTERM)
+
+    def on_term(signum: int, _frame: object) -> None:
+        if starting[0]:
+            raise _Stopped(signum)
+        # else: the job's follower cancels it (its own handler, while it follows); in the
+        # teardown after it, the stop goes on (Slurm kills what is left at its time)
+
+    previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, on_warning),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
+    try:
+        code = _run(alloc, opts, launch, lambda: starting.__setitem__(0, False))
+    except _Stopped:
+        code = 128 + signal.SIGTERM
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if warned:
+        _requeue(alloc)
+    return code
+
+
+def _run(alloc: SlurmAllocation, opts: LaunchOptions, launch: Callable[[LaunchOptions], int],
+         started: Callable[[], None]) -> int:
     with tempfile.TemporaryDirectory(prefix=f"pollux-slurm-{alloc.job_id}-") as tmp:
         secret_file = Path(tmp) / "secret"  # (this node's: the launcher's)
         secret = security.load_secret(opts.secret_file) or secrets.token_hex(32).encode()
         secret_file.touch(mode=0o600)
         secret_file.write_bytes(secret)
         with _services(alloc, opts, Path(tmp), secret) as url:
-            return launch(dataclasses.replace(opts, store=url, slurm=False,
-                                              secret_file=str(secret_file)))
+            started()
+            try:
+                return launch(dataclasses.replace(opts, store=url, slurm=False,
+                                                  secret_file=str(secret_file)))
+            finally:  # (a cancelled job's workers end after it: their final checkpoints)
+                _wait_for_workers(url, opts)
+
+
+def _requeue(alloc: SlurmAllocation) -> None:
+    """After the warning signal, once every worker ended (the job's final checkpoints
+    written, what pollux started here stopped): put the batch job back in the queue, as
+    Lightning's auto-requeue does; it resumes from those checkpoints at its new size."""
+    try:
+        _scontrol("requeue", alloc.job_id)
+    except AllocationError as exc:
+        print(f"[pollux] Slurm job {alloc.job_id}: warned (SIGUSR1), but not requeued: "
+              f"{exc}", flush=True)
+        return
+    print(f"[pollux] Slurm job {alloc.job_id}: warned (SIGUSR1): the workers wrote their "
+          "final checkpoints; requeued", flush=True)
 
 
 @contextmanager
@@ -173,6 +234,23 @@ def _start_etcd(address: str, tmp: Path, procs: list[subprocess.Popen]) -> str:
                          "--initial-cluster", f"pollux=http://127.0.0.1:{peer}"],
                         tmp / "etcd.log"))
     return f"etcd://{address}:{client}"
+
+
+def _wait_for_workers(url: str, opts: LaunchOptions) -> None:
+    """Until no node runs a worker of the job (its agents count them in their records),
+    at most its stop grace and a little more."""
+    deadline = time.monotonic() + opts.stop_grace + 10
+    while time.monotonic() < deadline:
+        busy = True
+        with suppress(StoreError), open_store(url, opts.store_prefix,
+                                              **opts.store_options) as store:
+            busy = False
+            for kv in store.get_prefix(keys.NODES):
+                with suppress(MessageError):  # (a malformed record counts no worker)
+                    busy = busy or decode(NodeInfo, kv.value).workers.get(opts.job_name, 0) > 0
+        if not busy:
+            return
+        time.sleep(0.5)
 
 
 def _wait_for_agents(url: str, opts: LaunchOptions, alloc: SlurmAllocation,

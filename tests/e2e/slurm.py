@@ -5,6 +5,9 @@ batch jobs run on separate "machines" with their own addresses. Everything - key
 ``slurm.conf``, state, spool, logs - lives in a folder of the test's own; ``SLURM_CONF``
 in :attr:`Slurm.env` points the Slurm commands at it. Nothing is left running.
 
+Credentials expire after 10 s (``cred_expire``; Slurm's default 120 s), which is also how
+long a requeued job waits before it may start again.
+
 slurmd runs without cgroup confinement (``proctrack/linuxproc``, ``task/none``); its
 cgroup plugin still starts, so ``cgroup.conf`` names cgroup v1 where this machine mounts
 v1 hierarchies under a tmpfs (slurmd's autodetection fails there).
@@ -70,7 +73,7 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={f / 'munge.sock'}
+AuthInfo=socket={f / 'munge.sock'},cred_expire=10
 CredType=cred/munge
 MailProg=/bin/true
 StateSaveLocation={f / 'state'}

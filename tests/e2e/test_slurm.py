@@ -5,6 +5,7 @@ shrinks, once the job that needed it ended, by ``scancel`` of that batch job."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -148,3 +149,58 @@ def test_pollux_run_in_an_sbatch_script_runs_the_job_on_every_node_of_the_alloca
         left = [p for p in host.pids() if any(w in " ".join(_cmdline(p))
                                               for w in ("pollux-run", "etcd", "worker.py"))]
         assert not left, [_cmdline(p) for p in left]
+
+
+DIGITS = Path(__file__).with_name("digits_worker.py")
+
+
+def test_the_warning_signal_checkpoints_requeues_and_the_job_resumes_where_it_was(
+        slurm, tmp_path):
+    """``scancel --signal=USR1 --batch`` (what ``#SBATCH --signal=B:USR1@90`` sends before
+    the time limit) to a ``pollux-run --slurm`` batch job: every worker writes its final
+    checkpoint and ends, everything stops, the batch job is requeued, and its next run
+    resumes the pollux job from that checkpoint - no optimiser step trained twice - and
+    finishes."""
+    logs, stop = tmp_path / "logs", tmp_path / "stop"
+    logs.mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/sh\nexec pollux-run --slurm --job-name pre -np 2 --checkpoint-dir ckpt "
+        f"--checkpoint-interval 600 {sys.executable} {DIGITS} --stop-file {stop} "
+        "--target 0 --epochs 2 --step-delay 0.1\n")
+    env = {**slurm.env, "OMP_NUM_THREADS": "1", "LOG_DIR": str(logs),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", "-N", "2", "--requeue", "--chdir", str(tmp_path),
+         "--output", str(tmp_path / "batch-%j-%t.out"), "--open-mode", "append",
+         str(script)], env=env, capture_output=True, text=True, check=True,
+        timeout=30).stdout.strip()
+
+    def steps() -> list[dict]:
+        return [r for r in read_records(logs) if r["rank"] == 0]
+
+    wait_for(lambda: len(steps()) >= 10, 180, "10 steps of the first run")
+    first = {r["pid"] for r in steps()}
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True,
+                   timeout=30)
+    wait_for(lambda: any(r["pid"] not in first for r in steps()), 240,
+             "the requeued run training")
+    stop.touch()
+    wait_for(lambda: not slurm.jobs(), 240, "the batch job to end")
+    text = "".join(p.read_text() for p in tmp_path.glob("batch-*.out"))
+    assert f"[pollux] Slurm job {job_id}: warned (SIGUSR1): the workers wrote their final " \
+           "checkpoints; requeued" in text, text[-4000:]
+    assert "pre: succeeded, exit code 0" in text, text[-4000:]
+    ordered = sorted(steps(), key=lambda r: r["t"])
+    before = [r["step"] for r in ordered if r["pid"] in first]
+    after = [r["step"] for r in ordered if r["pid"] not in first]
+    assert after[0] == before[-1] + 1, (before[-3:], after[:3])  # resumed where it was
+
+
+def read_records(folder: Path) -> list[dict]:
+    out = []
+    for f in folder.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
