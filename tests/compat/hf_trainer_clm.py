@@ -128,6 +128,8 @@ def main() -> None:
             json.dump(result, f)
         os.replace(tmp, args.result)
     print("done", flush=True)
+    if torch.distributed.is_initialized():  # (as torch asks: a gloo group left to the
+        torch.distributed.destroy_process_group()  # interpreter's exit may abort it)
 
 
 if __name__ == "__main__":

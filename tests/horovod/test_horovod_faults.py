@@ -186,8 +186,12 @@ def test_killed_worker_is_replaced_and_the_job_finishes_whole(tmp_path, baseline
     assert "blacklisted" not in text and "stop running" not in text, text[-4000:]
     assert re.search(rf"\[pollux\] {name}: replica \S+ lost \(exit code 137\); the job "
                      "goes on", text), text
-    assert (f"[pollux] {name}: replicas 2 -> 1 (live)" in text) == (lowest == 1), text
-    assert (f"[pollux] {name}: replicas 1 -> 2 (live)" in text) == (lowest == 1), text
+    # with --min-np 1 the survivor goes on alone and the new worker joins by a grow -
+    # unless Horovod's discovery (every second) already named the slot again when the
+    # reset was assigned (no back-off on a first loss): then it is 2 -> 2 in one reset
+    shrunk = f"[pollux] {name}: replicas 2 -> 1 (live)" in text
+    assert shrunk == (f"[pollux] {name}: replicas 1 -> 2 (live)" in text), text
+    assert not shrunk or lowest == 1, text
     assert f"[pollux] {name}: succeeded, exit code 0" in text
     got = json.loads(job.result.read_text())
     assert got["world_sizes"][-1] == 2
