@@ -70,7 +70,6 @@ from .process_group import (
     destroy_group,
     form_group,
     host_store,
-    vote_any,
     vote_each,
 )
 from .rounds import (
@@ -326,7 +325,7 @@ class Rendezvous:
         """Collective: True on every rank iff any rank's ``poll()`` is True, so all ranks
         leave the step loop at the same step (one 4-byte gloo all-reduce; raises like any
         collective when a peer died)."""
-        return vote_any(self._flag.is_set(), self.group)
+        return self.vote(False)[0]
 
     def vote(self, ending: bool) -> tuple[bool, bool]:
         """Collective: ``should_rescale()`` and whether any rank is ``ending`` (e.g. it got

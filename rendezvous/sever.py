@@ -48,18 +48,7 @@ def tcp_sockets() -> set[int]:
     """The inodes of this process's established TCP connections (Linux's /proc; empty
     elsewhere). Never a listening socket: gloo aborts the process when its listener's
     accept fails."""
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return set()
-    mine = set()
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if link.startswith("socket:["):
-            mine.add(int(link[8:-1]))
+    mine = set(_socket_fds().values())
     tcp = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
@@ -77,20 +66,24 @@ def sever_sockets(inodes: set[int]) -> int:
     how many. Their owners keep their descriptors: nothing is closed or freed here."""
     if not inodes:
         return 0
-    cut = 0
+    return sum(_shutdown(fd) for fd, inode in _socket_fds().items() if inode in inodes)
+
+
+def _socket_fds() -> dict[int, int]:
+    """This process's socket descriptors -> their inodes (empty without /proc)."""
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
-        return 0
+        return {}
+    out = {}
     for fd in fds:
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
+        except OSError:  # closed meanwhile
             continue
-        if not link.startswith("socket:[") or int(link[8:-1]) not in inodes:
-            continue
-        cut += _shutdown(int(fd))
-    return cut
+        if link.startswith("socket:["):
+            out[int(fd)] = int(link[8:-1])
+    return out
 
 
 def _shutdown(fd: int) -> int:

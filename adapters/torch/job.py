@@ -91,12 +91,9 @@ class ElasticJob:
                  self.info.world_size, self.info.reason)
         return self.info
 
-    def rescale_due(self) -> bool:
-        """Collective: True on every rank when any rank saw a reason to re-form."""
-        return self.rdzv.should_rescale() if self.rdzv else False
-
     def vote(self, ending: bool) -> tuple[bool, bool]:
-        """Collective: (``rescale_due()``, any rank ``ending``) in one all-reduce."""
+        """Collective, one all-reduce: (any rank saw a reason to re-form, any rank is
+        ``ending``)."""
         return self.rdzv.vote(ending) if self.rdzv else (False, ending)
 
     def membership(self) -> JobMembership | None:

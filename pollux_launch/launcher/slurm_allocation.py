@@ -53,7 +53,7 @@ from .. import env as envvars
 from .. import keys
 from ..errors import UserError
 from ..messages import MessageError, NodeInfo, decode
-from ..rendezvous.store import StoreError, open_store
+from ..rendezvous.store import Store, StoreError, open_store
 from . import security
 from .launch_options import LaunchOptions
 
@@ -145,13 +145,13 @@ def _run(alloc: SlurmAllocation, opts: LaunchOptions, launch: Callable[[LaunchOp
         secret = security.load_secret(opts.secret_file) or secrets.token_hex(32).encode()
         secret_file.touch(mode=0o600)
         secret_file.write_bytes(secret)
-        with _services(alloc, opts, Path(tmp), secret) as url:
+        with _services(alloc, opts, Path(tmp), secret) as (url, nodes):
             started()
             try:
                 return launch(dataclasses.replace(opts, store=url, slurm=False,
                                                   secret_file=str(secret_file)))
             finally:  # (a cancelled job's workers end after it: their final checkpoints)
-                _wait_for_workers(url, opts)
+                _wait_for_workers(nodes, opts)
 
 
 def _requeue(alloc: SlurmAllocation) -> None:
@@ -170,8 +170,9 @@ def _requeue(alloc: SlurmAllocation) -> None:
 
 @contextmanager
 def _services(alloc: SlurmAllocation, opts: LaunchOptions, tmp: Path,
-              secret: bytes) -> Iterator[str]:
+              secret: bytes) -> Iterator[tuple[str, _Nodes]]:
     procs: list[subprocess.Popen] = []  # stopped in reverse order of start
+    nodes: _Nodes | None = None
     try:
         url = opts.store or _start_etcd(alloc.address, tmp, procs)
         pollux = _pollux_run()
@@ -186,9 +187,12 @@ def _services(alloc: SlurmAllocation, opts: LaunchOptions, tmp: Path,
                             # environment to its tasks (no file every node must reach;
                             # the agents give workers none of the SECRETS variables)
                             {**os.environ, envvars.SECRET: secret.decode()}))
-        _wait_for_agents(url, opts, alloc, procs)
-        yield url
+        nodes = _Nodes(url, opts)
+        _wait_for_agents(nodes, alloc, procs)
+        yield url, nodes
     finally:
+        if nodes is not None:
+            nodes.close()
         for proc in reversed(procs):
             _stop(proc)
 
@@ -236,33 +240,52 @@ def _start_etcd(address: str, tmp: Path, procs: list[subprocess.Popen]) -> str:
     return f"etcd://{address}:{client}"
 
 
-def _wait_for_workers(url: str, opts: LaunchOptions) -> None:
+class _Nodes:
+    """The node records of the allocation's store, read through one connection (made
+    once the store answers)."""
+
+    def __init__(self, url: str, opts: LaunchOptions) -> None:
+        self.url, self.opts = url, opts
+        self._store: Store | None = None
+
+    def read(self) -> list[NodeInfo] | None:
+        """Every well-formed record; None while the store does not answer."""
+        try:
+            if self._store is None:
+                self._store = open_store(self.url, self.opts.store_prefix,
+                                         **self.opts.store_options)
+            kvs = self._store.get_prefix(keys.NODES)
+        except StoreError:
+            return None
+        out = []
+        for kv in kvs:
+            with suppress(MessageError):  # (a malformed record: no node, no worker)
+                out.append(decode(NodeInfo, kv.value))
+        return out
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+
+def _wait_for_workers(nodes: _Nodes, opts: LaunchOptions) -> None:
     """Until no node runs a worker of the job (its agents count them in their records),
     at most its stop grace and a little more."""
     deadline = time.monotonic() + opts.stop_grace + 10
     while time.monotonic() < deadline:
-        busy = True
-        with suppress(StoreError), open_store(url, opts.store_prefix,
-                                              **opts.store_options) as store:
-            busy = False
-            for kv in store.get_prefix(keys.NODES):
-                with suppress(MessageError):  # (a malformed record counts no worker)
-                    busy = busy or decode(NodeInfo, kv.value).workers.get(opts.job_name, 0) > 0
-        if not busy:
+        found = nodes.read()
+        if found is not None and not any(n.workers.get(opts.job_name) for n in found):
             return
         time.sleep(0.5)
 
 
-def _wait_for_agents(url: str, opts: LaunchOptions, alloc: SlurmAllocation,
+def _wait_for_agents(nodes: _Nodes, alloc: SlurmAllocation,
                      procs: list[subprocess.Popen]) -> None:
     """Until every node of the allocation has registered (the store up first)."""
     deadline, said = time.monotonic() + START_TIMEOUT, 0.0
     want = set(alloc.nodes)
     while True:
-        seen: set[str] = set()
-        with suppress(StoreError), open_store(url, opts.store_prefix,
-                                              **opts.store_options) as store:
-            seen = {kv.key.rsplit("/", 1)[-1] for kv in store.get_prefix(keys.NODES)}
+        seen = {n.name for n in nodes.read() or ()}
         if want <= seen:
             return
         dead = [p for p in procs if p.poll() is not None]

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from hosts import Host
 
+from pollux_launch.env import TRANSPORT_IFNAME
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "squeue", "sinfo")
 
 
@@ -53,7 +55,10 @@ class Slurm:
         self.folder, self.address, self.hosts = folder, address, list(hosts)
         self.nodes = [f"n{i + 1}" for i in range(len(self.hosts))]
         folder.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
+        # (not the transports' interface an in-process Rendezvous of an earlier test put
+        # into this process's environment - lo: the jobs span hosts)
+        self.env = {**{k: v for k, v in os.environ.items() if k not in TRANSPORT_IFNAME},
+                    "SLURM_CONF": str(folder / "slurm.conf")}
         self._procs: list[subprocess.Popen] = []
         self._munged_pid: int | None = None
         self._write_config(cpus)
