@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("pollux_launch.launcher.agent_cli", "run the node agent of this node"),
     "status": ("pollux_launch.launcher.status", "show nodes and jobs at a glance"),
     "cancel": ("pollux_launch.launcher.cancel", "cancel a job"),
+    "drain": ("pollux_launch.launcher.drain", "move every job off nodes (a Slurm "
+              "allocation: shrink it)"),
     "logs": ("pollux_launch.launcher.logs", "print a job's output (cluster or local)"),
     "simulate": ("pollux_launch.sim.cli", "replay a workload trace through a simulated cluster"),
 }
@@ -55,8 +57,9 @@ def _launch(argv: list[str]) -> int:
     import logging
 
     from . import __version__
-    from .launcher.options import build_parser, parse_launch_args
+    from .launcher.options import build_parser
     from .launcher.run import launch
+    from .launcher.sweep import launch_jobs, parse_jobs
 
     if argv[0] in ("-h", "--help"):
         build_parser().print_help()
@@ -65,14 +68,15 @@ def _launch(argv: list[str]) -> int:
     if argv[0] in ("-v", "--version"):
         print(f"pollux-run {__version__}")
         return 0
-    opts = parse_launch_args(argv)
+    jobs = parse_jobs(argv)  # (one, or --sweep FILE's: all validated before any starts)
+    opts = jobs[0]
     logging.basicConfig(level=opts.log_level.replace("TRACE", "DEBUG").replace("FATAL", "CRITICAL"),
                         format="[pollux] %(levelname)s %(name)s: %(message)s")
     if opts.slurm:
         from .launcher.slurm_allocation import launch_in_allocation
 
-        return launch_in_allocation(opts, launch)
-    return launch(opts)
+        return launch_in_allocation(jobs, lambda here: launch_jobs(here, launch))
+    return launch_jobs(jobs, launch)
 
 
 def _print_help() -> None:

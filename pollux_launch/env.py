@@ -61,6 +61,9 @@ HVD_ZYGOTE = "POLLUX_HVD_ZYGOTE"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
 SLURMD_NODENAME = "SLURMD_NODENAME"
+SLURM_JOB_NUM_NODES = "SLURM_JOB_NUM_NODES"
+SLURM_CPUS_ON_NODE = "SLURM_CPUS_ON_NODE"  # the job's cores on this node: its CPU slots
+SLURM_STEP_ID = "SLURM_STEP_ID"  # set in a task of an srun step, not in the batch script
 
 # The user's state folder (XDG's name; unset or relative: ~/.local/state): a local
 # pollux-run keeps its job's output under it (launcher/logs.py: local_log_dir)

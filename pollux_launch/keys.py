@@ -3,6 +3,7 @@
 ::
 
     nodes/<node>                  NodeInfo (and its live workers per job), agent's lease
+    drains/<node>                 NodeDrain: an operator's drain (pollux-run drain)
     jobs/<job>/spec               JobSpec, written once at submission
     jobs/<job>/signature          hex HMAC-SHA256 of the spec's exact text (cluster secret)
     jobs/<job>/status             JobStatus
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 NAME = re.compile(r"[A-Za-z0-9_.@:+-]{1,128}")
 
 NODES = "nodes/"
+DRAINS = "drains/"
 JOBS = "jobs/"
 LEADER = "coordinator/leader"
 AUTOSCALE = "coordinator/autoscale"
@@ -42,6 +44,10 @@ EPOCH = "cluster/epoch"
 
 def node(name: str) -> str:
     return f"{NODES}{name}"
+
+
+def drain(name: str) -> str:
+    return f"{DRAINS}{name}"
 
 
 def job(name: str, leaf: str = "") -> str:

@@ -252,6 +252,20 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class NodeDrain:
+    """An operator's drain of a node (``drains/<node>``, ``pollux-run drain``): the
+    coordinator offers it no slots, so its jobs move off it live; deleted to undo."""
+
+    node: str = named()
+    reason: str = ""
+    timestamp: float = within(*_TIME, 0.0)
+
+    def __post_init__(self) -> None:
+        if len(self.reason) > 200:
+            raise MessageError("NodeDrain.reason: longer than 200 characters")
+
+
+@dataclass(frozen=True)
 class JobGpus:
     """The GPUs a job's workers hold on one node, oldest worker first (written by that
     node's agent under its lease whenever they change; launcher/devices.py)."""

@@ -62,6 +62,7 @@ from ..messages import (
     JobSpec,
     JobStatus,
     MessageError,
+    NodeDrain,
     NodeInfo,
     ValueLog,
     decode,
@@ -199,6 +200,7 @@ class Coordinator:
         held = _held({name: jobs[name].allocation for name in active})
         drain = (self.autoscaler.round(infos, present, held, now) if self.autoscaler
                  else set())  # draining nodes take nothing: their jobs move off live
+        drain |= self._read_drains()  # (and those an operator drains)
         free = [PolicyNode(n.name, 0 if n.name in drain else _capacity(n, held.get(n.name, {})))
                 for n in nodes]
         target = current
@@ -533,6 +535,15 @@ class Coordinator:
                 nodes.append(node)
         return sorted(nodes, key=lambda n: n.name)
 
+    def _read_drains(self) -> set[str]:
+        """The nodes an operator drains (``pollux-run drain``)."""
+        out = set()
+        for kv in self.store.get_prefix(keys.DRAINS):
+            drain = self.values.read(NodeDrain, kv.key, kv.value, kv.mod_revision)
+            if drain is not None and keys.drain(drain.node) == kv.key:
+                out.add(drain.node)
+        return out
+
     def _read_jobs(self) -> dict[str, _JobView]:
         jobs: dict[str, _JobView] = {}
         kinds = {"spec": JobSpec, "status": JobStatus, "hints": JobHints, "allocation": Allocation,
@@ -664,6 +675,8 @@ class Coordinator:
         then its speedup is a guess), a new replica request of a job's policies, nodes
         that join, leave or change size, or free a slot (a leaving worker exited); not a
         node's workers merely starting."""
+        if event.key.startswith(keys.DRAINS):
+            return True
         if event.key.startswith(keys.NODES):
             if event.kind == "delete":
                 return True

@@ -11,6 +11,7 @@ from ..arguments import name
 from ..messages import JobStatus, MessageError, decode, encode
 from ..rendezvous.store import Compare, Put
 from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
+from .slurm_allocation import find_allocation_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    find_allocation_store(args)  # (inside a `pollux-run --slurm` allocation: its store)
     store, _ = open_from_args(args)
     with store:
         if store.get(keys.job(args.job, "spec")) is None:

@@ -113,11 +113,22 @@ def parse_gpus(text: str, environ: Mapping[str, str] | None = None) -> tuple[str
     return ids
 
 
+def cpu_slots(env: Mapping[str, str] | None = None) -> int:
+    """The CPU cores this process may use: inside a Slurm job, the allocation's cores on
+    this node (``SLURM_CPUS_ON_NODE``: a node shared with other jobs is not all ours),
+    else those of its CPU affinity."""
+    env = os.environ if env is None else env
+    given = env.get(envvars.SLURM_CPUS_ON_NODE, "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return len(os.sched_getaffinity(0)) or os.cpu_count() or 1
+
+
 def node_slots(gpus: Sequence[str], slots: int | None, flag: str = "--slots") -> int:
     """A node's slots: one per GPU when it has GPUs (``slots``, if given, must not ask for
     more), else ``slots`` or its CPU cores."""
     if not gpus:
-        return slots if slots is not None else os.cpu_count() or 1
+        return slots if slots is not None else cpu_slots()
     if slots is not None and slots > len(gpus):
         raise OptionsError(f"{flag} {slots} but this node has {len(gpus)} GPU(s) "
                            f"({','.join(gpus)}): every replica holds a GPU of its own; "
@@ -201,4 +212,4 @@ def worker_env(own: str, job_gpus: Sequence[str], local_rank: int | None) -> dic
 def local_slots_default(gpus_only: bool = False) -> int:
     """This machine's GPUs, or its CPU cores when it has none (``gpus_only``: 0 then)."""
     gpus = len(detect_gpus())
-    return gpus if gpus_only else gpus or os.cpu_count() or 1
+    return gpus if gpus_only else gpus or cpu_slots()

@@ -49,6 +49,7 @@ class LaunchOptions:
     max_batch_size: int | None = None
     gpus: tuple[str, ...] | None = None  # local mode: this machine's GPUs (None: detected)
     slurm: bool = False  # run on the Slurm allocation it is in (launcher/slurm_allocation.py)
+    slurm_notice: str = ""  # why, when --slurm was not given but the allocation found
 
     @property
     def elastic(self) -> bool:

@@ -928,9 +928,11 @@ def run(args: argparse.Namespace, stdout: IO[str] | None = None) -> int:
     from ..messages import MessageError, decode
     from ..rendezvous.store.cli_args import open_from_args
     from . import security
+    from .slurm_allocation import find_allocation_store
 
     out = stdout or sys.stdout
     secret = security.load_secret(args.secret_file)
+    find_allocation_store(args)  # (inside a `pollux-run --slurm` allocation: its store)
     store, url = open_from_args(args)
     local = url.startswith("embedded")  # (a local pollux-run's log is on this machine)
     with store:

@@ -40,7 +40,7 @@ from ..rendezvous.store.cli_args import (
     store_options,
     worker_store_env,
 )
-from .devices import local_slots_default, parse_gpus
+from .devices import cpu_slots, local_slots_default, parse_gpus
 from .frameworks import (
     FRAMEWORKS,
     detect_elasticity,
@@ -51,6 +51,7 @@ from .frameworks import (
 )
 from .hosts import HostsError, parse_hostfile, parse_hosts
 from .launch_options import LaunchOptions
+from .slurm_allocation import allocation_nodes
 
 # horovodrun flags that only make sense for MPI/ssh/LSF launching.
 _UNSUPPORTED = {
@@ -205,10 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the job changes size: live (re-form in place: the pollux API, "
                    "Horovod Elastic), restart (stop and start every worker with torchrun's "
                    "variables), fixed (never); default: detected from the script")
-    x.add_argument("--slurm", action="store_true",
+    x.add_argument("--slurm", action=argparse.BooleanOptionalAction, default=None,
                    help="inside a Slurm allocation (sbatch/salloc): run the job on all its "
                    "nodes - a node agent on each through srun, the coordinator here, the "
-                   "store given by --store or an etcd started here")
+                   "store given by --store or an etcd started here (default: on in an "
+                   "allocation of several nodes, unless --store or -H says where to run)")
+    x.add_argument("--sweep", metavar="FILE",
+                   help="several jobs sharing the cluster (--slurm or --store): one "
+                   "command per line of FILE, each optionally with its own flags; the "
+                   "flags here are every job's defaults")
     x.add_argument("--restart-grace", type=seconds_or_zero, default=30.0,
                    help="seconds between SIGTERM and SIGKILL when a restart-elastic job's "
                    "workers are stopped (default 30, as torchrun)")
@@ -315,7 +321,7 @@ def _nproc_per_node(text: str) -> int:
         gpus = local_slots_default(gpus_only=True)
         if text == "gpu" and not gpus:
             raise OptionsError("--nproc-per-node gpu: this machine has no GPU")
-        return gpus if text != "cpu" and gpus else (os.cpu_count() or 1)
+        return gpus if text != "cpu" and gpus else cpu_slots()
     raise OptionsError(f"--nproc-per-node {text}: give a number, auto, cpu or gpu")
 
 
@@ -335,6 +341,8 @@ def _unsupported_dest(flag: str) -> str:
 
 
 def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
+    if ns.sweep:  # (pollux-run --sweep FILE: sweep.py reads it; a line cannot)
+        raise OptionsError("--sweep: a job of a sweep file cannot name another sweep")
     command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)
     if not command:
         raise OptionsError("no command given; usage: pollux-run -np 2 python train.py")
@@ -393,7 +401,9 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
     if cooldown and not 0 <= cooldown[0] <= cooldown[1]:
         raise OptionsError("--blacklist-cooldown-range needs 0 <= MIN_S <= MAX_S")
 
-    job_name = ns.job_name or _default_job_name(command)
+    slurm, slurm_notice = _slurm_mode(ns)
+    job_name = ns.job_name or (os.environ.get(envvars.SLURM_JOB_ID) if slurm else None) \
+        or _default_job_name(command)  # (--rdzv-id: the job name, as Slurm's job id)
     if not _JOB_NAME.match(job_name):
         raise OptionsError(
             f"--job-name {job_name!r}: use 1-64 lowercase letters, digits, '-', '_' or '.'"
@@ -468,8 +478,23 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         stop_grace=ns.restart_grace, reports_goodput=uses_pollux_api(command, cwd),
         min_batch_size=ns.min_batch_size, max_batch_size=ns.max_batch_size,
         gpus=parse_gpus(ns.gpus) if ns.gpus is not None else None,
-        slurm=ns.slurm,
+        slurm=slurm, slurm_notice=slurm_notice,
     )
+
+
+def _slurm_mode(ns: argparse.Namespace) -> tuple[bool, str]:
+    """Whether the job runs on the Slurm allocation this runs in (``--slurm``), and the
+    notice to print when that was not asked for but found: inside an allocation of
+    several nodes (an sbatch script, an salloc shell - not a task of an srun step),
+    unless a store or host list says where the job runs, or ``--no-slurm``."""
+    if ns.slurm is not None:
+        return ns.slurm, ""
+    found = allocation_nodes(os.environ)
+    if found is None or ns.store or ns.hosts or ns.hostfile or ns.host_discovery_script:
+        return False, ""
+    job_id, nodes = found
+    return True, (f"in Slurm job {job_id}'s allocation of {nodes} nodes: running the job "
+                  "on all of them, as --slurm does (--no-slurm: this node only)")
 
 
 def _check_spec_bounds(values: dict[str, float | None], flags: dict[str, str]) -> None:

@@ -329,7 +329,7 @@ def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
     try:
         while True:
             if interrupted:
-                _cancel(store, job, f"pollux-run got signal {interrupted[0]}")
+                cancel_job(store, job, f"pollux-run got signal {interrupted[0]}")
                 print(f"[pollux] {job}: cancelled", file=stdout, flush=True)
                 return 128 + interrupted[0]
             try:
@@ -393,7 +393,7 @@ def _read(store: Store, key: str, cls: type[M], values: ValueLog) -> M | None:
     return values.read(cls, kv.key, kv.value, kv.mod_revision) if kv is not None else None
 
 
-def _cancel(store: Store, job: str, message: str) -> None:
+def cancel_job(store: Store, job: str, message: str) -> None:
     """Mark the job cancelled - while it exists: a job whose keys are gone stays gone."""
     store.txn([keys.job_exists(job)],
               [Put(keys.job(job, "status"), encode(JobStatus("cancelled", 130, message,

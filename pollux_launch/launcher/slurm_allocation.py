@@ -33,9 +33,11 @@ missing.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -44,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +75,15 @@ class SlurmAllocation:
     address: str  # this (the batch) node's, as Slurm reaches it
 
 
+def allocation_nodes(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """(job id, node count) of the Slurm allocation of several nodes whose batch script
+    or salloc shell ``env`` is (a task of an srun step is not); else None."""
+    job_id, nodes = env.get(envvars.SLURM_JOB_ID), env.get(envvars.SLURM_JOB_NUM_NODES, "")
+    if not job_id or not env.get(envvars.SLURM_JOB_NODELIST) or envvars.SLURM_STEP_ID in env:
+        return None
+    return (job_id, int(nodes)) if nodes.isdigit() and int(nodes) > 1 else None
+
+
 def read_allocation(env: dict[str, str] | None = None) -> SlurmAllocation:
     """The allocation this process runs in. Raises AllocationError (one line)."""
     env = dict(os.environ if env is None else env)
@@ -83,9 +94,9 @@ def read_allocation(env: dict[str, str] | None = None) -> SlurmAllocation:
     for tool in ("scontrol", "srun"):
         if shutil.which(tool) is None:
             raise AllocationError(f"--slurm: `{tool}` is not on PATH")
-    nodes = tuple(_scontrol("show", "hostnames", nodelist).split())
+    nodes = tuple(scontrol("show", "hostnames", nodelist).split())
     here = env.get(envvars.SLURMD_NODENAME) or nodes[0]
-    fields = dict(f.split("=", 1) for f in _scontrol("show", "node", here, "-o").split()
+    fields = dict(f.split("=", 1) for f in scontrol("show", "node", here, "-o").split()
                   if "=" in f)
     address = fields.get("NodeAddr") or here
     with suppress(OSError):  # a host name: the address it resolves to here
@@ -93,41 +104,107 @@ def read_allocation(env: dict[str, str] | None = None) -> SlurmAllocation:
     return SlurmAllocation(job_id, nodes, address)
 
 
-def _scontrol(*args: str) -> str:
+def scontrol(*args: str) -> str:
     try:
         return subprocess.run(["scontrol", *args], capture_output=True, text=True,
                               check=True, timeout=30).stdout
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        raise AllocationError(f"--slurm: scontrol {' '.join(args)} failed: "
+        raise AllocationError(f"scontrol {' '.join(args)} failed: "
                               f"{(getattr(exc, 'stderr', '') or str(exc)).strip()[:200]}") from None
+
+
+# The allocation's store, for `pollux-run status` on any of its nodes: its URL and key
+# prefix, put in the Slurm job's Comment while the allocation is a pollux cluster (no
+# file every node must reach). Read back as untrusted text: it must match STORE_COMMENT.
+STORE_COMMENT_HEAD = "pollux-store="
+STORE_COMMENT = re.compile(r"^pollux-store=(etcd://[A-Za-z0-9.\-:\[\],]{1,400})\|"
+                           r"(/[A-Za-z0-9._\-/]{0,200})$")
+
+
+def allocation_store(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """(store URL, key prefix) of the pollux cluster that ``pollux-run --slurm`` made of
+    the allocation ``env`` is in (its Slurm job's Comment); None if there is none or
+    Slurm cannot say."""
+    job_id = env.get(envvars.SLURM_JOB_ID)
+    if not job_id or shutil.which("scontrol") is None:
+        return None
+    found = STORE_COMMENT.match(_job_comment(job_id) or "")
+    return (found.group(1), found.group(2)) if found else None
+
+
+def find_allocation_store(args: argparse.Namespace) -> None:
+    """A tool's store flags without ``--store`` (``add_store_arguments``), inside the
+    allocation of a ``pollux-run --slurm`` (or given its ``SLURM_JOB_ID``): set to its
+    cluster's store, in place."""
+    if args.store is not None:
+        return
+    found = allocation_store(os.environ)
+    if found is not None:
+        args.store = found[0]
+        if args.store_prefix == envvars.DEFAULT_PREFIX:
+            args.store_prefix = found[1]
+
+
+def _publish_store(alloc: SlurmAllocation, url: str, prefix: str) -> bool:
+    """Put the store in the job's Comment (module docstring) - unless the user's comment
+    is there: that is not ours to replace. Whether it is there now."""
+    comment = _job_comment(alloc.job_id)
+    if comment is None or (comment and not comment.startswith(STORE_COMMENT_HEAD)):
+        return False
+    value = f"{STORE_COMMENT_HEAD}{url}|{prefix}"
+    try:
+        scontrol("update", f"JobId={alloc.job_id}", f"Comment={value}")
+    except AllocationError as exc:
+        log.warning("pollux-run status will not find this allocation's store: %s", exc)
+        return False
+    return STORE_COMMENT.match(value) is not None
+
+
+def _unpublish_store(alloc: SlurmAllocation) -> None:
+    with suppress(AllocationError):  # (a stale comment: status then finds no store there)
+        scontrol("update", f"JobId={alloc.job_id}", "Comment=")
+
+
+def _job_comment(job_id: str) -> str | None:
+    """The Slurm job's Comment ("" if none); None if scontrol cannot say."""
+    try:
+        text = scontrol("show", "job", job_id, "-o")
+    except AllocationError:
+        return None
+    return next((f.split("=", 1)[1] for f in text.split() if f.startswith("Comment=")), "")
 
 
 class _Stopped(Exception):
     """SIGTERM before the job was submitted (its follower then cancels it instead)."""
 
 
-def launch_in_allocation(opts: LaunchOptions, launch: Callable[[LaunchOptions], int]) -> int:
-    """Run ``opts``' job on the allocation (module docstring); its exit code."""
+def launch_in_allocation(jobs: Sequence[LaunchOptions],
+                         launch: Callable[[Sequence[LaunchOptions]], int]) -> int:
+    """Run ``jobs`` (one, or a sweep's: sharing the allocation) on the allocation (module
+    docstring) with ``launch`` (``sweep.launch_jobs``: all of them, then their exit
+    code), given the allocation's store."""
     alloc = read_allocation()
+    if jobs[0].slurm_notice:
+        print(f"[pollux] {jobs[0].slurm_notice}", flush=True)
     print(f"[pollux] Slurm job {alloc.job_id}: {len(alloc.nodes)} node(s) "
           f"({', '.join(alloc.nodes)[:200]})", flush=True)
     warned: list[int] = []
-    starting = [True]  # (then the job's follower handles SIGTERM; the teardown must end)
+    starting = [True]  # (then the jobs' followers handle SIGTERM; the teardown must end)
 
     def on_warning(signum: int, _frame: object) -> None:
         warned.append(signum)
-        signal.raise_signal(signal.SIGTERM)  # (the job's follower: cancel, i.e. SIGTERM)
+        signal.raise_signal(signal.SIGTERM)  # (the jobs' followers: cancel, i.e. SIGTERM)
 
     def on_term(signum: int, _frame: object) -> None:
         if starting[0]:
             raise _Stopped(signum)
-        # else: the job's follower cancels it (its own handler, while it follows); in the
-        # teardown after it, the stop goes on (Slurm kills what is left at its time)
+        # else: the followers cancel the jobs (their own handler, while they follow); in
+        # the teardown after them, the stop goes on (Slurm kills what is left at its time)
 
     previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, on_warning),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
     try:
-        code = _run(alloc, opts, launch, lambda: starting.__setitem__(0, False))
+        code = _run(alloc, jobs, launch, lambda: starting.__setitem__(0, False))
     except _Stopped:
         code = 128 + signal.SIGTERM
     finally:
@@ -138,8 +215,9 @@ def launch_in_allocation(opts: LaunchOptions, launch: Callable[[LaunchOptions], 
     return code
 
 
-def _run(alloc: SlurmAllocation, opts: LaunchOptions, launch: Callable[[LaunchOptions], int],
-         started: Callable[[], None]) -> int:
+def _run(alloc: SlurmAllocation, jobs: Sequence[LaunchOptions],
+         launch: Callable[[Sequence[LaunchOptions]], int], started: Callable[[], None]) -> int:
+    opts = jobs[0]  # (the cluster's flags: every job of a sweep has the same)
     with tempfile.TemporaryDirectory(prefix=f"pollux-slurm-{alloc.job_id}-") as tmp:
         secret_file = Path(tmp) / "secret"  # (this node's: the launcher's)
         secret = security.load_secret(opts.secret_file) or secrets.token_hex(32).encode()
@@ -147,11 +225,13 @@ def _run(alloc: SlurmAllocation, opts: LaunchOptions, launch: Callable[[LaunchOp
         secret_file.write_bytes(secret)
         with _services(alloc, opts, Path(tmp), secret) as (url, nodes):
             started()
+            here = [dataclasses.replace(o, store=url, slurm=False, slurm_notice="",
+                                        secret_file=str(secret_file)) for o in jobs]
             try:
-                return launch(dataclasses.replace(opts, store=url, slurm=False,
-                                                  secret_file=str(secret_file)))
+                return launch(here)
             finally:  # (a cancelled job's workers end after it: their final checkpoints)
-                _wait_for_workers(nodes, opts)
+                _wait_for_workers(nodes, [o.job_name for o in jobs],
+                                  max(o.stop_grace for o in jobs))
 
 
 def _requeue(alloc: SlurmAllocation) -> None:
@@ -159,7 +239,7 @@ def _requeue(alloc: SlurmAllocation) -> None:
     written, what pollux started here stopped): put the batch job back in the queue, as
     Lightning's auto-requeue does; it resumes from those checkpoints at its new size."""
     try:
-        _scontrol("requeue", alloc.job_id)
+        scontrol("requeue", alloc.job_id)
     except AllocationError as exc:
         print(f"[pollux] Slurm job {alloc.job_id}: warned (SIGUSR1), but not requeued: "
               f"{exc}", flush=True)
@@ -173,6 +253,7 @@ def _services(alloc: SlurmAllocation, opts: LaunchOptions, tmp: Path,
               secret: bytes) -> Iterator[tuple[str, _Nodes]]:
     procs: list[subprocess.Popen] = []  # stopped in reverse order of start
     nodes: _Nodes | None = None
+    published = False
     try:
         url = opts.store or _start_etcd(alloc.address, tmp, procs)
         pollux = _pollux_run()
@@ -189,8 +270,11 @@ def _services(alloc: SlurmAllocation, opts: LaunchOptions, tmp: Path,
                             {**os.environ, envvars.SECRET: secret.decode()}))
         nodes = _Nodes(url, opts)
         _wait_for_agents(nodes, alloc, procs)
+        published = _publish_store(alloc, url, opts.store_prefix)
         yield url, nodes
     finally:
+        if published:
+            _unpublish_store(alloc)
         if nodes is not None:
             nodes.close()
         for proc in reversed(procs):
@@ -268,13 +352,13 @@ class _Nodes:
             self._store.close()
 
 
-def _wait_for_workers(nodes: _Nodes, opts: LaunchOptions) -> None:
-    """Until no node runs a worker of the job (its agents count them in their records),
-    at most its stop grace and a little more."""
-    deadline = time.monotonic() + opts.stop_grace + 10
+def _wait_for_workers(nodes: _Nodes, jobs: Sequence[str], grace: float) -> None:
+    """Until no node runs a worker of ``jobs`` (the agents count them in their records),
+    at most their stop grace and a little more."""
+    deadline = time.monotonic() + grace + 10
     while time.monotonic() < deadline:
         found = nodes.read()
-        if found is not None and not any(n.workers.get(opts.job_name) for n in found):
+        if found is not None and not any(n.workers.get(j) for n in found for j in jobs):
             return
         time.sleep(0.5)
 

@@ -32,6 +32,7 @@ from ..messages import (
     JobSpec,
     JobStatus,
     MessageError,
+    NodeDrain,
     NodeInfo,
     decode,
 )
@@ -147,13 +148,20 @@ def render(store: Store, now: float | None = None) -> str:
             _restarts(view.get("restarts"), view.get("generation"), spec),
             _age(now - spec.submit_time) if spec else "-",
         ])
+    draining = set()  # (pollux-run drain: offered no slots, its jobs move off it)
+    for kv in store.get_prefix(keys.DRAINS):
+        try:
+            draining.add(decode(NodeDrain, kv.value).node)
+        except MessageError:
+            bad.append(kv.key)
     node_rows = []
     for n in sorted(nodes.values(), key=lambda n: n.name):
         # USED: what the allocations place there; RUNNING: the live workers its agent
         # reports (a slot is free only when neither holds it)
         running = sum(max(0, k) for k in n.workers.values())
-        node_rows.append([n.name, str(n.slots), str(used[n.name]), str(running or "-"),
-                          str(max(0, n.slots - max(used[n.name], running))),
+        free = 0 if n.name in draining else max(0, n.slots - max(used[n.name], running))
+        node_rows.append([n.name + (" (draining)" if n.name in draining else ""),
+                          str(n.slots), str(used[n.name]), str(running or "-"), str(free),
                           _node_gpus(n, held)])
     out = [_table(["NODE", "SLOTS", "USED", "RUNNING", "FREE", "GPUS (JOB)"],
                   node_rows or [["(no nodes)", "", "", "", "", ""]])]
@@ -255,6 +263,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, stdout: IO[str] | None = None) -> int:
     stdout = stdout or sys.stdout
+    from .slurm_allocation import find_allocation_store
+
+    find_allocation_store(args)
     store, _ = open_from_args(args)
     with store:
         while True:

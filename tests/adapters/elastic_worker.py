@@ -1,9 +1,11 @@
 """Worker for test_torch_elastic: trains with the native adapter, logs what it did, and
-stops at the end of the first epoch after the test created $LOG_DIR/stop.
+stops at the end of the first epoch after the test created $LOG_DIR/stop (LOG_DIR: the
+first argument, else the environment's).
 
 Each worker appends JSON lines to $LOG_DIR/<worker>.jsonl: one per optimiser step
-({"kind": "step", "epoch", "round", "world", "rank", "indices"}) and, at the end, the
-hash of its parameters. Samples are identified by their index (the dataset returns it).
+({"kind": "step", "epoch", "round", "world", "rank", "indices", "node", "t"}) and, at the
+end, the hash of its parameters. Samples are identified by their index (the dataset
+returns it).
 """
 
 import hashlib
@@ -19,8 +21,9 @@ from torch.utils.data import TensorDataset
 import pollux_launch.adapters.torch as pollux
 
 N = int(os.environ.get("N", 480))
-STOP = os.path.join(os.environ["LOG_DIR"], "stop")  # the test creates it when done
-log = open(os.path.join(os.environ["LOG_DIR"], os.environ["POLLUX_WORKER_ID"] + ".jsonl"), "a")
+LOG_DIR = sys.argv[1] if len(sys.argv) > 1 else os.environ["LOG_DIR"]
+STOP = os.path.join(LOG_DIR, "stop")  # the test creates it when done
+log = open(os.path.join(LOG_DIR, os.environ["POLLUX_WORKER_ID"] + ".jsonl"), "a")
 
 
 def write(**record):
@@ -46,7 +49,8 @@ for _ in trainer.epochs(10_000):
         if trainer.step(F.cross_entropy(trainer.model(xb), yb)):
             p = job.placement
             write(kind="step", epoch=epoch, round=p.round, world=p.world_size, rank=p.rank,
-                  pid=os.getpid(), indices=pending, step=trainer.steps)
+                  pid=os.getpid(), indices=pending, step=trainer.steps,
+                  node=os.environ.get("POLLUX_NODE"), t=time.time())
             pending = []
         time.sleep(0.01)
     # every replica must leave at the same epoch: rank 0 decides

@@ -25,11 +25,13 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from hosts import netns_available  # noqa: E402  (tests/e2e/hosts.py)
+from slurm import slurm_available  # noqa: E402  (tests/e2e/slurm.py)
 
 # scripts in benchmarks/ that are imported or started by the benchmarks, not benchmarks
 HELPERS = {"harness", "checkpoint_worker", "local_etcd", "sharded_worker", "startup_worker",
            "startup_worker_hvd", "step_overhead_frameworks", "worker_events"}
-# what a benchmark needs beyond the base install: "etcd", "netns", or a module to import
+# what a benchmark needs beyond the base install: "etcd", "netns", "slurm" (Debian's
+# slurm-wlm and munge, as root), or a module to import
 NEEDS: dict[str, tuple[str, ...]] = {
     "adaptation_policies": ("sklearn",),
     "checkpoint": ("etcd", "sklearn", "deepspeed", "horovod"),
@@ -38,6 +40,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "horovod_rescale": ("horovod",),
     "hostile_inputs": ("etcd", "sklearn"),
     "rendezvous_scale": ("etcd",),
+    "slurm": ("netns", "etcd", "slurm", "sklearn"),
     "startup": ("deepspeed", "horovod"),
     "store_latency": ("etcd",),
 }
@@ -60,6 +63,8 @@ def _missing(need: str) -> str | None:
             "etcd is not installed (scripts/test.sh installs Debian's etcd-server)")
     if need == "netns":
         return None if netns_available() else "needs root and network namespaces"
+    if need == "slurm":
+        return slurm_available()
     return None if importlib.util.find_spec(need) else f"{need} is not installed"
 
 

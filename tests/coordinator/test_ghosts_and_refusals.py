@@ -13,7 +13,7 @@ from pollux_launch import keys
 from pollux_launch.coordinator.service import Coordinator
 from pollux_launch.launcher.node_agent import NodeAgent
 from pollux_launch.launcher.options import parse_launch_args
-from pollux_launch.launcher.run import _cancel, _follow
+from pollux_launch.launcher.run import _follow, cancel_job
 from pollux_launch.launcher.status import render
 from pollux_launch.messages import Allocation, JobSpec, JobStatus, NodeInfo, decode, encode
 from pollux_launch.policy import make_policy
@@ -90,7 +90,7 @@ def test_the_services_write_nothing_for_a_job_that_is_gone(store, etcd_server, s
     write for a job whose keys were removed create no key of it."""
     agent = NodeAgent(store, NodeInfo("n1", 1), etcd_server.url, store_prefix, poll=0.1)
     agent._set_status("gone", JobStatus("succeeded", 0))
-    _cancel(store, "gone", "pollux-run got signal 2")
+    cancel_job(store, "gone", "pollux-run got signal 2")
     coord = Coordinator(store, make_policy("pollux-dp"))
     _job(store, "gone")
     view = coord._read_jobs()["gone"]

@@ -178,7 +178,8 @@ class Host:
         out = _ip("netns", "pids", self.netns, check=False)
         return [int(p) for p in out.split() if p.isdigit()]
 
-    def _kill_all(self) -> None:
+    def kill_all(self) -> None:
+        """SIGKILL every process inside this host (a machine that fails)."""
         for proc in self._procs:
             with contextlib.suppress(Exception):
                 if proc.poll() is None:
@@ -417,7 +418,7 @@ class HostNet:
             atexit.unregister(self.close)
         for host in self.hosts:
             with contextlib.suppress(Exception):
-                host._kill_all()
+                host.kill_all()
         if self._firewall is not None:
             with contextlib.suppress(Exception):
                 self._firewall.close()

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from cluster import POLLUX_RUN, SECRET, Cluster
+from cluster import POLLUX_RUN, SECRET, WORKER, Cluster
 
 from pollux_launch import keys
 from pollux_launch.messages import NodeInfo, decode
@@ -76,14 +76,20 @@ def test_two_jobs_share_a_two_node_cluster_live(cluster):
     assert len({s["world"] for s in mine}) >= 2 and mine[-1]["t"] > t_b_done
 
 
-def test_node_agent_killed_job_continues_on_the_other_node(cluster):
+def _on_both_nodes(cluster: Cluster, name: str):
+    """Nodes n1 and n2 of one slot each, and job ``name`` (1..2 replicas) training on both."""
     cluster.coordinator()
     cluster.agent("n1", 1)
     cluster.agent("n2", 1)
     cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 2, 60, "two nodes")
-    job = cluster.submit("job-c", "-np", "2", "--min-np", "1", "--max-np", "2")
-    cluster.wait(lambda: sorted(cluster.allocation("job-c")) == ["n1", "n2"]
-                 and any(s["world"] == 2 for s in cluster.steps()), 120, "C on both nodes")
+    job = cluster.submit(name, "-np", "2", "--min-np", "1", "--max-np", "2")
+    cluster.wait(lambda: sorted(cluster.allocation(name)) == ["n1", "n2"]
+                 and any(s["world"] == 2 for s in cluster.steps()), 120, f"{name} on both")
+    return job
+
+
+def test_node_agent_killed_job_continues_on_the_other_node(cluster):
+    job = _on_both_nodes(cluster, "job-c")
     cluster.procs["agent-n2"].kill()  # its worker dies with it, as with a failed node
     t_kill = time.time()
     cluster.wait(lambda: any(s["world"] == 1 and s["t"] > t_kill for s in cluster.steps()),
@@ -94,6 +100,55 @@ def test_node_agent_killed_job_continues_on_the_other_node(cluster):
     assert job.wait(timeout=120) == 0
     survivor = [s for s in cluster.steps() if s["node"] == "n1"]
     assert len({s["pid"] for s in survivor}) == 1
+
+
+def test_drain_moves_the_job_off_the_node_live_and_undo_brings_it_back(cluster):
+    """``pollux-run drain n2 --wait``: the coordinator offers n2 no slots, the job re-forms
+    on n1 alone (n2's worker leaves; the survivor keeps its process), status marks n2,
+    and the command returns once n2 runs nothing; ``--undo``: the job grows back."""
+    job = _on_both_nodes(cluster, "job-d")
+    store = ("--store", cluster.url)
+    out = subprocess.run([POLLUX_RUN, "drain", "n2", "--wait", *store], capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out
+    assert out.stdout.splitlines()[-1] == "n2: drained, no worker left", out.stdout
+    assert cluster.allocation("job-d") == ("n1",)
+    table = subprocess.run([POLLUX_RUN, "status", *store], capture_output=True, text=True,
+                           timeout=60).stdout
+    assert "n2 (draining)" in table, table
+    t_drained = time.time()
+    cluster.wait(lambda: any(s["world"] == 1 and s["t"] > t_drained for s in cluster.steps()),
+                 60, "D training on n1 alone")
+    out = subprocess.run([POLLUX_RUN, "drain", "n2", "--undo", *store], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "drain of n2 ended\n", out
+    cluster.wait(lambda: sorted(cluster.allocation("job-d")) == ["n1", "n2"], 120,
+                 "D back on both nodes")
+    cluster.stop_job("job-d")
+    assert job.wait(timeout=120) == 0, cluster.log("job-d")[-3000:]
+    survivor = [s for s in cluster.steps() if s["node"] == "n1"]
+    assert len({s["pid"] for s in survivor}) == 1  # it kept its process throughout
+    assert cluster.epochs_lost() == 0 and cluster.steps_lost() == 0
+
+
+def test_a_sweep_file_runs_its_jobs_together_on_the_cluster(cluster, tmp_path):
+    """``pollux-run --store ... --sweep jobs.txt``: both lines' jobs run at once, each
+    worker line prefixed with its job's name; the exit code is the failed job's."""
+    cluster.coordinator()
+    cluster.agent("n1", 2)
+    cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 1, 60, "the node")
+    work = f"{sys.executable} {WORKER} --target 0 --epochs 1 --step-delay 0.02 --stop-file"
+    (tmp_path / "jobs.txt").write_text(
+        f"{work} {tmp_path / 'a.stop'}\n"
+        f"--job-name bad {sys.executable} -c 'import sys; print(\"oops\"); sys.exit(3)'\n")
+    sweep = cluster.start("sweep", "--store", cluster.url, "--sweep", str(tmp_path / "jobs.txt"),
+                          "--job-name", "sw", "-np", "1")
+    assert sweep.wait(timeout=240) == 3, cluster.log("sweep")[-3000:]
+    lines = cluster.log("sweep").splitlines()
+    assert "[pollux] sw-1: succeeded, exit code 0" in lines, lines[-20:]
+    assert "bad | [0]<stdout>:oops" in lines, lines[-20:]
+    assert any(x.startswith("sw-1 | ") and "final val_acc" in x for x in lines), lines[-20:]
+    assert lines[-1] == "[pollux] sweep: 1 of 2 job(s) succeeded: failed bad (exit code 3)"
 
 
 def test_failing_worker_sets_exit_code_and_frees_slots(cluster, tmp_path):
