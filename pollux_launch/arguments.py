@@ -17,7 +17,7 @@ from typing import NoReturn
 from pollux_launch.errors import UserError
 
 from . import keys
-from .messages import MAX_REPLICAS, MAX_SLOTS
+from .messages import GPU_TYPE, MAX_REPLICAS, MAX_SLOTS
 
 
 class OptionsError(UserError, ValueError):
@@ -99,6 +99,19 @@ def name(text: str) -> str:
 # a host name (RFC 1123): dot-separated labels of letters, digits and inner hyphens
 _HOST_NAME = re.compile(r"(?=.{1,253}\.?$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                         r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def gpu_type_flag(text: str) -> str:
+    """A GPU type (``--gpu-type``; messages.GPU_TYPE)."""
+    if not GPU_TYPE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a GPU type: use letters, "
+                                          "digits and '_.+-' (at most 64), e.g. A100")
+    return text
+
+
+def gpu_types_flag(text: str) -> tuple[str, ...]:
+    """``--gpu-types A100,H100``: the types a job may run on."""
+    return tuple(dict.fromkeys(gpu_type_flag(t.strip()) for t in text.split(",")))
 
 
 def node_address(text: str) -> str:

@@ -114,8 +114,11 @@ class JobSpec:
     # policy and the job's agent keep its total batch within it (None: the script's)
     min_batch_size: int | None = within(1, MAX_BATCH, None)
     max_batch_size: int | None = within(1, MAX_BATCH, None)
+    # the GPU types it may run on (pollux-run --gpu-types; empty: any); it never spans two
+    gpu_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_types("JobSpec.gpu_types", self.gpu_types)
         if not self.command:
             raise MessageError("JobSpec.command is empty")
         if not self.min_replicas <= self.initial_replicas <= self.max_replicas:
@@ -220,6 +223,18 @@ class Allocation:
 # A GPU id as CUDA_VISIBLE_DEVICES names one (an index, GPU-<uuid>, MIG-<uuid>, or the
 # older MIG-GPU-<uuid>/<gi>/<ci>): never a comma
 GPU_ID = re.compile(r"[A-Za-z0-9_.:/+-]{1,128}")
+# a node's GPU type (its agent's --gpu-type, else the driver's model name, e.g. H100;
+# "cpu" for CPU slots): jobs never span two (policy/gpu_types.py)
+GPU_TYPE = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
+
+
+def _check_types(where: str, types: tuple[str, ...]) -> None:
+    if len(types) > 64:
+        raise MessageError(f"{where}: more than 64 GPU types")
+    for name in types:
+        if not GPU_TYPE.fullmatch(name):
+            raise MessageError(f"{where}: {name[:80]!r} is not a GPU type (letters, digits, "
+                               "'_.+-', at most 64)")
 
 
 def _check_gpus(where: str, gpus: tuple[str, ...]) -> None:
@@ -243,12 +258,14 @@ class NodeInfo:
     workers: dict[str, int] = within(0, MAX_SLOTS, factory=dict)
     log_port: int = within(0, 65535, 0)  # where it serves job logs (launcher/logs.py); 0: none
     gpus: tuple[str, ...] = ()
+    gpu_type: str = ""  # GPU_TYPE ("": an agent that says none - one type with the others')
 
     def __post_init__(self) -> None:
         for job in self.workers:
             if not keys.NAME.fullmatch(job):
                 raise MessageError(f"NodeInfo.workers: bad job name {job[:80]!r}")
         _check_gpus("NodeInfo.gpus", self.gpus)
+        _check_types("NodeInfo.gpu_type", (self.gpu_type,) if self.gpu_type else ())
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ jobs are not disturbed because unchanged placements are not rewritten.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -70,6 +71,7 @@ from ..messages import (
 from ..messages import encode as encode_msg
 from ..policy import JobInfo, Policy, PolicyNode
 from ..policy.admission import AdmissionConfig, Candidate, decide_admission
+from ..policy.gpu_types import typed_allocation
 from ..policy.holders import keep_holders
 from ..policy.placement import pinned_jobs
 from ..policy.rescale_cost import RescaleCost
@@ -162,6 +164,7 @@ class Coordinator:
         # per job: (state text, (worker, node) per member) of its latest formed round
         # (keyed by its text, not its revision: a new store's revisions start again)
         self._rounds: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {}
+        self._typed: dict[str, Policy] = {}  # per GPU type: its engine (several types)
 
     # -- one round -------------------------------------------------------------------
     def schedule_once(self) -> dict[str, Allocation]:
@@ -207,7 +210,8 @@ class Coordinator:
         stranded = np.zeros(len(active), dtype=bool)
         if active and nodes:
             try:
-                chosen = self.policy.optimize(infos, free, current)
+                chosen = self._optimize(infos, free, current, [n.gpu_type for n in nodes],
+                                        [jobs[n].spec for n in active])
                 target, stranded = self._keep_holders(active, jobs, index, infos, free,
                                                       current, chosen)
             except (ArithmeticError, ValueError) as exc:  # keep what runs; say it each round
@@ -534,6 +538,18 @@ class Coordinator:
             elif node is not None and node.slots > 0:
                 nodes.append(node)
         return sorted(nodes, key=lambda n: n.name)
+
+    def _optimize(self, infos: list[JobInfo], free: list[PolicyNode], current: np.ndarray,
+                  types: list[str], specs: list[JobSpec | None]) -> np.ndarray:
+        """The policy's allocation; on nodes of several GPU types, or for jobs that name
+        the types they may use, one type per job (policy/gpu_types.py), each type's nodes
+        allocated by an engine of its own (its warm start kept per type)."""
+        allowed = [frozenset(s.gpu_types) if s is not None else frozenset() for s in specs]
+        if len(set(types)) <= 1 and not any(allowed):
+            return self.policy.optimize(infos, free, current)
+        engines = {t: self._typed.setdefault(t, copy.deepcopy(self.policy)).optimize
+                   for t in set(types)}
+        return typed_allocation(engines, infos, free, current, types, allowed)
 
     def _read_drains(self) -> set[str]:
         """The nodes an operator drains (``pollux-run drain``)."""

@@ -16,13 +16,13 @@ import threading
 import time
 
 from .. import env as envvars
-from ..arguments import lease_seconds, name, node_address
+from ..arguments import gpu_type_flag, lease_seconds, name, node_address
 from ..arguments import slots as slot_count
 from ..messages import NodeInfo
 from ..rendezvous.network import advertised_address, interface_of
 from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
 from . import security
-from .devices import detect_gpus, node_slots, parse_gpus
+from .devices import detect_gpus, gpu_type, node_slots, parse_gpus
 from .logs import state_home
 from .node_agent import NodeAgent
 
@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this node's GPUs, each worker holding one: a count or "
                         "CUDA_VISIBLE_DEVICES ids (0,2,5); 'none' for CPU slots (default: "
                         "those of CUDA_VISIBLE_DEVICES, else the driver's)")
+    parser.add_argument("--gpu-type", type=gpu_type_flag, default=None, metavar="NAME",
+                        help="this node's GPU type, e.g. A100 (default: the driver's model "
+                        "name; 'cpu' for CPU slots): a job never spans two types")
     parser.add_argument("--address", type=node_address, default=None,
                         help="address other nodes reach this one at: an IP address, or a "
                         "host name that resolves (default: this host's address on the "
@@ -77,10 +80,12 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    node = NodeInfo(args.node_name, slots, address, time.time())
+    node = NodeInfo(args.node_name, slots, address, time.time(),
+                    gpu_type=args.gpu_type or gpu_type(gpus))
     nic = args.network_interface or interface_of(address) or "(none found: transports default)"
-    logging.info("node %s: %d slots%s at %s (interface %s), store %s", node.name, slots,
-                 f" (GPUs {','.join(gpus)})" if gpus else "", address, nic, url)
+    logging.info("node %s: %d slots%s of type %s at %s (interface %s), store %s", node.name,
+                 slots, f" (GPUs {','.join(gpus)})" if gpus else "", node.gpu_type, address,
+                 nic, url)
     with store:
         NodeAgent(store, node, url, args.store_prefix, secret=secret,
                   output_dir=args.output_filename, lease_ttl=args.lease_ttl,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -85,6 +86,42 @@ def detect_gpus(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
         return tuple(str(i) for i in range(torch.cuda.device_count()))
     except Exception:  # any torch trouble: no GPUs we can use, CPU slots then
         return ()
+
+
+def gpu_type(gpus: Sequence[str]) -> str:
+    """The type of this node's GPUs (its first GPU's model, e.g. ``H100`` from "NVIDIA
+    H100 80GB HBM3", from ``nvidia-smi``, else torch); ``cpu`` for CPU slots; ``gpu``
+    when the driver does not say."""
+    if not gpus:
+        return "cpu"
+    model = ""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader", "-i",
+                                  gpus[0]], capture_output=True, text=True, timeout=20,
+                                 stdin=subprocess.DEVNULL)
+            model = out.stdout.strip().splitlines()[0] if out.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError, IndexError):
+            model = ""  # (torch may still say)
+    if not model:
+        try:
+            import torch
+
+            model = torch.cuda.get_device_name(0)
+        except Exception:  # any torch trouble: a GPU of no known type
+            model = ""
+    return gpu_type_name(model)
+
+
+def gpu_type_name(model: str) -> str:
+    """A driver's model name as a GPU type: its model number (``A100``, ``L40S``,
+    ``MI300X``), else the whole name with what a type may not hold replaced."""
+    found = re.search(r"\b([A-Z]{1,4}\d{2,4}[A-Z]?)\b", model)
+    if found:
+        return found.group(1)
+    cleaned = re.sub(r"[^A-Za-z0-9_.+-]+", "-", model).strip("-")[:64]
+    return cleaned or "gpu"
 
 
 def parse_gpus(text: str, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:

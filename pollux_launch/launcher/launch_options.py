@@ -50,6 +50,7 @@ class LaunchOptions:
     gpus: tuple[str, ...] | None = None  # local mode: this machine's GPUs (None: detected)
     slurm: bool = False  # run on the Slurm allocation it is in (launcher/slurm_allocation.py)
     slurm_notice: str = ""  # why, when --slurm was not given but the allocation found
+    gpu_types: tuple[str, ...] = ()  # the GPU types it may run on (empty: any)
 
     @property
     def elastic(self) -> bool:

@@ -28,6 +28,7 @@ from ..arguments import (
     OptionsError,
     count,
     fairness,
+    gpu_types_flag,
     seconds,
     seconds_or_zero,
     slots,
@@ -113,6 +114,7 @@ SPEC_FLAGS = {
     "max_restarts": "--max-restarts", "stop_grace": "--restart-grace",
     "min_batch_size": "--min-batch-size", "max_batch_size": "--max-batch-size",
     "name": "--job-name", "command": "the command", "env": "the workers' environment",
+    "gpu_types": "--gpu-types",
 }
 _TORCHRUN_REPLICAS = "--nnodes x --nproc-per-node"
 _JOB_NAME = re.compile(r"^[a-z0-9]([a-z0-9\-_.]{0,62}[a-z0-9])?$")
@@ -235,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local mode: this machine's GPUs for the workers, one each: a count "
                    "or CUDA_VISIBLE_DEVICES ids (0,2,5); 'none' for CPU slots (default: "
                    "the GPUs it has)")
+    x.add_argument("--gpu-types", type=gpu_types_flag, default=(), metavar="T1,T2",
+                   help="the GPU types the job may run on, e.g. A100,H100 (as the node "
+                   "agents report them; default: any); it never spans two")
     x.add_argument("--checkpoint-dir", help="folder for the job's durable checkpoints (a path "
                    "every node can reach): a job whose workers all died resumes from the "
                    "newest one")
@@ -478,7 +483,7 @@ def _validate(ns: argparse.Namespace, cwd: Path) -> LaunchOptions:
         stop_grace=ns.restart_grace, reports_goodput=uses_pollux_api(command, cwd),
         min_batch_size=ns.min_batch_size, max_batch_size=ns.max_batch_size,
         gpus=parse_gpus(ns.gpus) if ns.gpus is not None else None,
-        slurm=slurm, slurm_notice=slurm_notice,
+        slurm=slurm, slurm_notice=slurm_notice, gpu_types=ns.gpu_types,
     )
 
 

@@ -60,7 +60,7 @@ from ..rendezvous.network import advertised_address
 from ..rendezvous.store import Compare, Delete, Put, Store, StoreError, open_store
 from ..rendezvous.store.cli_args import DEFAULT_URL
 from . import security
-from .devices import detect_gpus, node_slots
+from .devices import detect_gpus, gpu_type, node_slots
 from .discovery import DiscoveryError, HostDiscovery
 from .drivers import driver_class
 from .hosts import LOCAL_NAMES
@@ -173,7 +173,8 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
         if local and discovery is None and (warning := slots_warning(spec, slots)):
             print(f"[pollux] job {spec.name}: {warning}", file=stdout, flush=True)
         if local:
-            node = NodeInfo(socket.gethostname(), slots, "127.0.0.1", time.time())
+            node = NodeInfo(socket.gethostname(), slots, "127.0.0.1", time.time(),
+                            gpu_type=gpu_type(gpus))
             cost = load_rescale_cost()
             delta = (cost.expected_stall("live", DEFAULT_STATE_BYTES, 4)
                      if opts.realloc_delay is None else opts.realloc_delay)
@@ -239,7 +240,7 @@ def _spec(opts: LaunchOptions, local: bool) -> JobSpec:
         submission=uuid.uuid4().hex, expires=time.time() + SPEC_TTL,
         elasticity=opts.elasticity, max_restarts=opts.max_restarts, stop_grace=opts.stop_grace,
         reports_goodput=opts.reports_goodput, min_batch_size=opts.min_batch_size,
-        max_batch_size=opts.max_batch_size,
+        max_batch_size=opts.max_batch_size, gpu_types=opts.gpu_types,
     )
 
 

@@ -1,6 +1,6 @@
 """``pollux-run status [--watch]``: the cluster at a glance.
 
-One table of nodes (slots used / free, which job holds each GPU) and one of jobs (state,
+One table of nodes (GPU type, slots used / free, which job holds each GPU) and one of jobs (state,
 kind of elasticity, GPUs per node and which, batch size = replicas x m x (s+1),
 statistical efficiency, goodput, speedup over one GPU, re-allocations, restarts with the
 progress they lost or what one costs, age), all read from the store - nothing is
@@ -161,10 +161,10 @@ def render(store: Store, now: float | None = None) -> str:
         running = sum(max(0, k) for k in n.workers.values())
         free = 0 if n.name in draining else max(0, n.slots - max(used[n.name], running))
         node_rows.append([n.name + (" (draining)" if n.name in draining else ""),
-                          str(n.slots), str(used[n.name]), str(running or "-"), str(free),
-                          _node_gpus(n, held)])
-    out = [_table(["NODE", "SLOTS", "USED", "RUNNING", "FREE", "GPUS (JOB)"],
-                  node_rows or [["(no nodes)", "", "", "", "", ""]])]
+                          n.gpu_type or "-", str(n.slots), str(used[n.name]),
+                          str(running or "-"), str(free), _node_gpus(n, held)])
+    out = [_table(["NODE", "TYPE", "SLOTS", "USED", "RUNNING", "FREE", "GPUS (JOB)"],
+                  node_rows or [["(no nodes)", "", "", "", "", "", ""]])]
     kv = store.get(keys.AUTOSCALE)
     if kv is not None:
         try:

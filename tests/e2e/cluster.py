@@ -72,12 +72,13 @@ class Cluster:
         self.start("coordinator", "coordinator", "--store", self.url, *self.store_flags,
                    "--interval", "2", "--realloc-delay", "1", "--lease-ttl", "2", *flags)
 
-    def agent(self, node: str, slots: int, host=None) -> None:
-        """A node agent; on loopback unless ``host`` (then it finds its own address)."""
+    def agent(self, node: str, slots: int, *flags: str, host=None) -> None:
+        """A node agent (more ``flags`` of its own); on loopback unless ``host`` (then it
+        finds its own address)."""
         where = () if host is not None else ("--address", "127.0.0.1")
         self.start(f"agent-{node}", "agent", "--store", self.url, *self.store_flags,
                    "--node-name", node, "--slots", str(slots), "--lease-ttl", "2",
-                   "--state-dir", str(self.tmp / f"state-{node}"), *where, host=host)
+                   "--state-dir", str(self.tmp / f"state-{node}"), *where, *flags, host=host)
 
     def submit(self, job: str, *flags: str, target: float = 0.85, epochs: int | None = None,
                host=None) -> subprocess.Popen:

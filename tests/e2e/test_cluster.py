@@ -151,6 +151,34 @@ def test_a_sweep_file_runs_its_jobs_together_on_the_cluster(cluster, tmp_path):
     assert lines[-1] == "[pollux] sweep: 1 of 2 job(s) succeeded: failed bad (exit code 3)"
 
 
+def test_agents_of_two_gpu_types_a_job_never_spans_them(cluster):
+    """Nodes of two GPU types (their agents' --gpu-type): a job of 2 replicas that would
+    span both runs at 1 on one type; a second job takes the other type; a job that
+    allows only one type gets that one; ``pollux-run status`` shows each node's type."""
+    cluster.coordinator()
+    cluster.agent("n1", 1, "--gpu-type", "V100")
+    cluster.agent("n2", 1, "--gpu-type", "H100")
+    cluster.agent("n3", 1, "--gpu-type", "H100")
+    cluster.wait(lambda: len(cluster.store.get_prefix(keys.NODES)) == 3, 60, "three nodes")
+    slow = cluster.submit("on-v100", "-np", "2", "--min-np", "1", "--max-np", "2",
+                          "--gpu-types", "V100")
+    wide = cluster.submit("wide", "-np", "3", "--min-np", "1", "--max-np", "3")
+    cluster.wait(lambda: cluster.allocation("on-v100") == ("n1",)
+                 and sorted(cluster.allocation("wide")) == ["n2", "n3"], 120,
+                 "each job on one type")
+    cluster.wait(lambda: sum(s["world"] == 2 for s in cluster.steps()) >= 10, 120,
+                 "wide training on both H100 nodes")
+    table = subprocess.run([POLLUX_RUN, "status", "--store", cluster.url],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert re.search(r"^n1\s+V100\s", table, re.M) and re.search(r"^n3\s+H100\s", table,
+                                                                  re.M), table
+    for job in ("on-v100", "wide"):
+        cluster.stop_job(job)
+    assert slow.wait(timeout=120) == 0 and wide.wait(timeout=120) == 0
+    worlds = {(s["node"], s["world"]) for s in cluster.steps()}
+    assert ("n1", 2) not in worlds and ("n1", 3) not in worlds, worlds  # never spanned
+
+
 def test_failing_worker_sets_exit_code_and_frees_slots(cluster, tmp_path):
     cluster.coordinator()
     cluster.agent("n1", 2)
