@@ -75,7 +75,7 @@ def _launch(argv: list[str]) -> int:
     if opts.slurm:
         from .launcher.slurm_allocation import launch_in_allocation
 
-        return launch_in_allocation(jobs, lambda here: launch_jobs(here, launch))
+        return launch_in_allocation(jobs, lambda here, got: launch_jobs(here, launch, got))
     return launch_jobs(jobs, launch)
 
 

@@ -519,9 +519,10 @@ class Coordinator:
                 log.warning("node %s is missing; its jobs keep it for %.0f s", name,
                             self.node_grace)
             if now - since < self.node_grace:
-                if held.get(name):
-                    out.append(NodeInfo(name, held[name], self._known.get(
-                        name, NodeInfo(name, 0)).address, now))
+                if held.get(name):  # (its type too: a job's replicas there stay typed)
+                    known = self._known.get(name, NodeInfo(name, 0))
+                    out.append(NodeInfo(name, held[name], known.address, now,
+                                        gpu_type=known.gpu_type))
                 continue
             if since > _DEAD:
                 log.warning("node %s missing for %.0f s: presumed dead", name, now - since)

@@ -8,9 +8,9 @@
 * ``pollux-run drain --num-nodes N``, inside a ``pollux-run --slurm`` allocation (or with
   its ``SLURM_JOB_ID`` set): ``scontrol update JobId=... NumNodes=N`` done right. Slurm
   kills whatever runs on the nodes a resize releases at once, so this picks the nodes to
-  release (the last listed, never the batch node), drains them, waits until none runs a
-  worker, and only then releases exactly those (``scontrol update JobId=...
-  NodeList=<the others>``).
+  release (:func:`pick_release`: never the batch node; those running the fewest workers,
+  the last listed first), drains them, waits until none runs a worker, and only then
+  releases exactly those (``scontrol update JobId=... NodeList=<the others>``).
 
 Exit codes: 0 done; 1 the nodes were not drained within ``--timeout`` (they stay
 drained, nothing is released); 2 bad input (one line).
@@ -58,13 +58,13 @@ def run(args: argparse.Namespace) -> int:
     if len(args.reason) > 200:
         raise OptionsError("--reason: at most 200 characters")
     find_allocation_store(args)
+    if args.num_nodes is not None and args.undo:
+        raise OptionsError("--undo: name the NODEs whose drain ends")
     release: list[str] = []
-    if args.num_nodes is not None:
-        if args.undo:
-            raise OptionsError("--undo: name the NODEs whose drain ends")
-        job_id, release, kept = _slurm_release(args.num_nodes)
     store, _ = open_from_args(args)
     with store:
+        if args.num_nodes is not None:
+            job_id, release, kept = _slurm_release(args.num_nodes, store)
         targets = release or list(args.nodes)
         if args.undo:
             for node in targets:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slurm_release(num_nodes: int) -> tuple[str, list[str], list[str]]:
+def _slurm_release(num_nodes: int, store: Store) -> tuple[str, list[str], list[str]]:
     """(job id, nodes to release, nodes kept) for shrinking the allocation to
     ``num_nodes``. Raises AllocationError (one line)."""
     job_id = os.environ.get(envvars.SLURM_JOB_ID)
@@ -106,10 +106,16 @@ def _slurm_release(num_nodes: int) -> tuple[str, list[str], list[str]]:
         raise AllocationError(f"--num-nodes {num_nodes}: Slurm job {job_id} has "
                               f"{len(nodes)} node(s); give a number from 1 to "
                               f"{len(nodes) - 1}")
-    # (the batch node runs the script: releasing it would end the allocation)
-    candidates = [n for n in reversed(nodes) if n != batch]
-    release = candidates[:len(nodes) - num_nodes]
+    release = pick_release(nodes, batch, _busy(store, set(nodes)), len(nodes) - num_nodes)
     return job_id, release, [n for n in nodes if n not in release]
+
+
+def pick_release(nodes: list[str], batch: str, busy: dict[str, int], count: int) -> list[str]:
+    """The ``count`` nodes to release: never ``batch`` (it runs the script: releasing it
+    would end the allocation); those running the fewest workers (``busy``: per node),
+    the last listed first - what moves the least work."""
+    candidates = [n for n in reversed(nodes) if n != batch]
+    return sorted(candidates, key=lambda n: busy.get(n, 0))[:count]
 
 
 def _wait_empty(store: Store, nodes: list[str], timeout: float) -> bool:

@@ -138,8 +138,11 @@ def discovered_slots(discovery: HostDiscovery) -> int:
     return found
 
 
-def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
-    """Run the job; returns its exit code. Raises OptionsError / StoreError on bad input."""
+def launch(opts: LaunchOptions, stdout: IO[str] | None = None,
+           signals: list[int] | None = None) -> int:
+    """Run the job; returns its exit code. Raises OptionsError / StoreError on bad input.
+    ``signals``: where the caller's handlers put the SIGINT/SIGTERM it received (its
+    job is cancelled at the first, whenever it came: see :func:`_follow`)."""
     stdout = stdout or sys.stdout
     driver = driver_class(opts.framework, opts.elasticity)
     driver.preflight()  # e.g. Horovod not installed: one line, before anything starts
@@ -212,7 +215,7 @@ def launch(opts: LaunchOptions, stdout: IO[str] | None = None) -> int:
             threads.append(thread)
         resubmit = None if local else (lambda: _resubmit(store, spec, secret))
         return _follow(store, spec.name, opts, stdout, follower.drain if follower else None,
-                       resubmit)
+                       resubmit, signals)
     finally:
         stop.set()
         for thread in threads:
@@ -313,10 +316,14 @@ def _resubmit(store: Store, spec: JobSpec, secret: bytes | None) -> bool:
 
 def _follow(store: Store, job: str, opts: LaunchOptions, stdout: IO[str],
             drain: Callable[[], None] | None = None,
-            resubmit: Callable[[], bool] | None = None) -> int:
+            resubmit: Callable[[], bool] | None = None,
+            signals: list[int] | None = None) -> int:
     """Print status changes until the job ends (then ``drain``: its last output lines);
-    Ctrl-C / SIGTERM cancel it. ``resubmit`` puts the job back if the store lost it."""
-    interrupted: list[int] = []
+    Ctrl-C / SIGTERM cancel it. ``resubmit`` puts the job back if the store lost it.
+    ``signals``: the caller's record of those signals, shared - one that came before
+    this took over their handling (e.g. while the job was being submitted) cancels the
+    job at once."""
+    interrupted: list[int] = signals if signals is not None else []
 
     def on_signal(signum: int, _frame: object) -> None:
         interrupted.append(signum)

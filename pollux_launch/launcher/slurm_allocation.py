@@ -179,10 +179,11 @@ class _Stopped(Exception):
 
 
 def launch_in_allocation(jobs: Sequence[LaunchOptions],
-                         launch: Callable[[Sequence[LaunchOptions]], int]) -> int:
+                         launch: Callable[[Sequence[LaunchOptions], list[int]], int]) -> int:
     """Run ``jobs`` (one, or a sweep's: sharing the allocation) on the allocation (module
-    docstring) with ``launch`` (``sweep.launch_jobs``: all of them, then their exit
-    code), given the allocation's store."""
+    docstring) with ``launch`` (``sweep.launch_jobs``: all of them, given the
+    allocation's store and the signals received since it started, then their exit
+    code)."""
     alloc = read_allocation()
     if jobs[0].slurm_notice:
         print(f"[pollux] {jobs[0].slurm_notice}", flush=True)
@@ -190,6 +191,7 @@ def launch_in_allocation(jobs: Sequence[LaunchOptions],
           f"({', '.join(alloc.nodes)[:200]})", flush=True)
     warned: list[int] = []
     starting = [True]  # (then the jobs' followers handle SIGTERM; the teardown must end)
+    signals: list[int] = []  # SIGTERMs once started: the followers', whenever they came
 
     def on_warning(signum: int, _frame: object) -> None:
         warned.append(signum)
@@ -198,13 +200,16 @@ def launch_in_allocation(jobs: Sequence[LaunchOptions],
     def on_term(signum: int, _frame: object) -> None:
         if starting[0]:
             raise _Stopped(signum)
-        # else: the followers cancel the jobs (their own handler, while they follow); in
-        # the teardown after them, the stop goes on (Slurm kills what is left at its time)
+        # else: before the jobs' followers took over SIGTERM (their handlers put it in the
+        # same list) - they cancel the jobs as they start; in the teardown after them,
+        # the stop goes on (Slurm kills what is left at its time)
+        signals.append(signum)
 
     previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, on_warning),
                 signal.SIGTERM: signal.signal(signal.SIGTERM, on_term)}
     try:
-        code = _run(alloc, jobs, launch, lambda: starting.__setitem__(0, False))
+        code = _run(alloc, jobs, lambda here: launch(here, signals),
+                    lambda: starting.__setitem__(0, False))
     except _Stopped:
         code = 128 + signal.SIGTERM
     finally:

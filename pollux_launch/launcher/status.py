@@ -161,9 +161,9 @@ def render(store: Store, now: float | None = None) -> str:
         running = sum(max(0, k) for k in n.workers.values())
         free = 0 if n.name in draining else max(0, n.slots - max(used[n.name], running))
         node_rows.append([n.name + (" (draining)" if n.name in draining else ""),
-                          n.gpu_type or "-", str(n.slots), str(used[n.name]),
-                          str(running or "-"), str(free), _node_gpus(n, held)])
-    out = [_table(["NODE", "TYPE", "SLOTS", "USED", "RUNNING", "FREE", "GPUS (JOB)"],
+                          str(n.slots), str(used[n.name]), str(running or "-"), str(free),
+                          _node_gpus(n, held), n.gpu_type or "-"])
+    out = [_table(["NODE", "SLOTS", "USED", "RUNNING", "FREE", "GPUS (JOB)", "TYPE"],
                   node_rows or [["(no nodes)", "", "", "", "", "", ""]])]
     kv = store.get(keys.AUTOSCALE)
     if kv is not None:

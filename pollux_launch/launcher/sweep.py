@@ -31,11 +31,12 @@ from typing import IO
 from .. import env as envvars
 from ..arguments import OptionsError
 from ..errors import UserError
-from ..rendezvous.store import StoreError, open_store
 from .launch_options import LaunchOptions
 from .options import build_parser, parse_launch_args
 
 SWEEP_FLAG = "--sweep"
+# run.launch: (options, output stream or None, the caller's received signals or None)
+Launch = Callable[..., int]
 MAX_JOBS = 256  # a longer file is a mistake (a data file given by accident)
 
 
@@ -149,32 +150,34 @@ class _Prefixed(io.TextIOBase):
             self.out.flush()
 
 
-def launch_jobs(jobs: Sequence[LaunchOptions],
-                launch: Callable[[LaunchOptions, IO[str] | None], int]) -> int:
-    """One job: ``launch`` it here (it follows the job, its signals its own); several:
-    :func:`run_jobs`."""
-    return launch(jobs[0], None) if len(jobs) == 1 else run_jobs(jobs, launch)
+def launch_jobs(jobs: Sequence[LaunchOptions], launch: Launch,
+                signals: list[int] | None = None) -> int:
+    """One job: ``launch`` it here (it follows the job and handles its signals); several:
+    :func:`run_jobs`. ``signals``: the SIGINT/SIGTERM the caller received (shared)."""
+    return launch(jobs[0], None, signals) if len(jobs) == 1 \
+        else run_jobs(jobs, launch, signals=signals)
 
 
-def run_jobs(jobs: Sequence[LaunchOptions],
-             launch: Callable[[LaunchOptions, IO[str] | None], int],
-             stdout: IO[str] | None = None) -> int:
+def run_jobs(jobs: Sequence[LaunchOptions], launch: Launch, stdout: IO[str] | None = None,
+             signals: list[int] | None = None) -> int:
     """Launch every job of ``jobs`` at once (each ``launch(opts, stdout)`` in a thread
-    of its own) and wait for all; SIGINT/SIGTERM (in the main thread) cancel them all.
-    Returns 0 if all succeeded, else the first failure's exit code (in order)."""
+    of its own) and wait for all; SIGINT/SIGTERM (in the main thread; or already in
+    ``signals``, the caller's record of them) cancel them all. Returns 0 if all
+    succeeded, else the first failure's exit code (in order)."""
     stdout = stdout or sys.stdout
     lock = threading.Lock()
     codes: dict[int, int] = {}
     errors: dict[int, BaseException] = {}
 
+    interrupted: list[int] = signals if signals is not None else []
+
     def one(i: int, opts: LaunchOptions) -> None:
-        try:
-            codes[i] = launch(opts, _Prefixed(stdout, opts.job_name, lock))
+        try:  # (each follower cancels its job once a signal is in `interrupted`)
+            codes[i] = launch(opts, _Prefixed(stdout, opts.job_name, lock), interrupted)
         except BaseException as exc:  # (re-raised below, in the main thread)
             errors[i] = exc
             codes[i] = 1
 
-    interrupted: list[int] = []
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, lambda signum, _f: interrupted.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
@@ -183,11 +186,7 @@ def run_jobs(jobs: Sequence[LaunchOptions],
     try:
         for thread in threads:
             thread.start()
-        cancelled = False
         while any(t.is_alive() for t in threads):
-            if interrupted and not cancelled:
-                cancelled = True
-                _cancel_all(jobs, f"pollux-run got signal {interrupted[0]}")
             for thread in threads:
                 thread.join(timeout=0.2)
     finally:
@@ -206,22 +205,3 @@ def run_jobs(jobs: Sequence[LaunchOptions],
     if interrupted:
         return 128 + interrupted[0]
     return failed[0][1] if failed else 0
-
-
-def _cancel_all(jobs: Sequence[LaunchOptions], message: str) -> None:
-    """Mark every job cancelled (its follower then prints its end, as after pollux-run
-    cancel); a store that does not answer leaves them to their agents' own end."""
-    from .run import cancel_job  # (run imports the drivers; only needed here)
-
-    by_store: dict[tuple[str, str], list[str]] = {}
-    for o in jobs:
-        by_store.setdefault((o.store or "", o.store_prefix), []).append(o.job_name)
-    for (url, prefix), names in by_store.items():
-        opts = next(o for o in jobs if o.job_name == names[0])
-        try:
-            with open_store(url, prefix, **opts.store_options) as store:
-                for name in names:
-                    cancel_job(store, name, message)
-        except StoreError as exc:
-            print(f"[pollux] sweep: could not cancel {', '.join(names)}: {exc}",
-                  file=sys.stderr, flush=True)

@@ -170,8 +170,8 @@ def test_agents_of_two_gpu_types_a_job_never_spans_them(cluster):
                  "wide training on both H100 nodes")
     table = subprocess.run([POLLUX_RUN, "status", "--store", cluster.url],
                            capture_output=True, text=True, timeout=60).stdout
-    assert re.search(r"^n1\s+V100\s", table, re.M) and re.search(r"^n3\s+H100\s", table,
-                                                                  re.M), table
+    assert re.search(r"^n1\s.*\sV100$", table, re.M) and re.search(r"^n3\s.*\sH100$", table,
+                                                                    re.M), table
     for job in ("on-v100", "wide"):
         cluster.stop_job(job)
     assert slow.wait(timeout=120) == 0 and wide.wait(timeout=120) == 0

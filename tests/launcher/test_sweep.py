@@ -1,11 +1,13 @@
 """``pollux-run --sweep FILE``: a file of jobs, parsed and validated before any starts;
-and the Slurm allocation found without ``--slurm``. (The jobs themselves run in
+the Slurm allocation found without ``--slurm``; a signal that came before a job's
+follower took over; the nodes a shrink releases. (The jobs themselves run in
 tests/e2e/test_slurm.py, on a real Slurm.)"""
 
 from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -13,11 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from pollux_launch import keys
 from pollux_launch.arguments import OptionsError
 from pollux_launch.launcher.devices import cpu_slots
+from pollux_launch.launcher.drain import pick_release
 from pollux_launch.launcher.options import parse_launch_args
+from pollux_launch.launcher.run import _follow
 from pollux_launch.launcher.slurm_allocation import STORE_COMMENT, allocation_nodes
 from pollux_launch.launcher.sweep import parse_jobs, run_jobs
+from pollux_launch.messages import JobSpec, JobStatus, decode, encode
+from pollux_launch.rendezvous.store import open_store
 
 POLLUX_RUN = str(Path(sys.executable).with_name("pollux-run"))
 ALLOCATION = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
@@ -100,7 +107,7 @@ def test_run_jobs_prefixes_worker_lines_and_returns_the_first_failure(folder):
     codes = {"jobs-1": 0, "jobs-2": 3, "jobs-3": 5}
     threads = set()
 
-    def launch(opts, stdout):
+    def launch(opts, stdout, signals=None):
         threads.add(threading.current_thread().name)
         stdout.write(f"[pollux] {opts.job_name}: running\nloss 0.5\npartial ")
         stdout.write("line\n")
@@ -148,3 +155,40 @@ def test_cpu_slots_are_the_allocation_s_cores_on_the_node():
 def test_the_store_named_in_the_slurm_job_is_read_as_untrusted_text(comment, found):
     match = STORE_COMMENT.match(comment)
     assert (match.groups() if match else None) == found
+
+
+def test_a_signal_that_came_before_a_follower_took_over_cancels_its_job(folder):
+    """A SIGTERM that reached ``pollux-run --slurm`` after the allocation's services
+    started but before the job's follower installed its own handler is not lost: the
+    caller's record of it, shared with the follower, cancels the job as soon as it is
+    followed (the window in which it was dropped before)."""
+    with open_store(f"embedded://{folder / 'store.db'}") as store:
+        opts = parse_launch_args(["--job-name", "late", "python", "train.py"], folder)
+        spec = JobSpec("late", ("python", "train.py"))
+        store.put(keys.job("late", "spec"), encode(spec))
+        store.put(keys.job("late", "status"), encode(JobStatus("pending")))
+        out = io.StringIO()
+        assert _follow(store, "late", opts, out, signals=[signal.SIGTERM]) == 143
+        status = decode(JobStatus, store.get(keys.job("late", "status")).value)
+    assert status.state == "cancelled" and "signal 15" in status.message
+    assert out.getvalue().splitlines()[-1] == "[pollux] late: cancelled"
+
+
+def test_run_jobs_hands_the_callers_signals_to_every_follower(folder):
+    (folder / "jobs.txt").write_text("python train.py\npython train.py\n")
+    jobs = parse_jobs(["--store", "etcd://127.0.0.1:1", "--sweep", "jobs.txt"], folder)
+    got = []
+
+    def launch(opts, stdout, signals=None):
+        got.append(signals)
+        return 128 + signals[0] if signals else 0
+
+    assert run_jobs(jobs, launch, io.StringIO(), signals=[signal.SIGTERM]) == 143
+    assert got == [[signal.SIGTERM], [signal.SIGTERM]]
+
+
+def test_a_shrink_releases_the_least_busy_nodes_never_the_batch_node():
+    nodes = ["n1", "n2", "n3", "n4"]
+    assert pick_release(nodes, "n1", {}, 2) == ["n4", "n3"]  # the last listed first
+    assert pick_release(nodes, "n1", {"n4": 2, "n3": 1}, 2) == ["n2", "n3"]
+    assert pick_release(nodes, "n4", {"n1": 0}, 3) == ["n3", "n2", "n1"]

@@ -108,3 +108,25 @@ def test_a_driver_s_model_name_becomes_a_type(model, kind):
 
 def test_cpu_slots_are_a_type_of_their_own():
     assert gpu_type(()) == "cpu"
+
+
+def test_a_missing_node_in_its_grace_keeps_its_type(tmp_path):
+    """A node whose record vanished keeps its jobs' replicas for the coordinator's grace;
+    it is offered with the type it had - else it became a type of its own and a job
+    there and on a present node of that type looked split across two types, and could
+    be moved onto the missing node alone (the full suite caught that)."""
+    with open_store(f"embedded://{tmp_path / 'store.db'}") as store:
+        for name, kind in (("n1", "cpu"), ("n2", "cpu"), ("g1", "H100")):
+            store.put(keys.node(name), encode(NodeInfo(name, 1, "127.0.0.1", NOW,
+                                                       gpu_type=kind)))
+        store.put(keys.job("j", "spec"), encode(JobSpec(
+            "j", ("python", "t.py"), initial_replicas=2, min_replicas=1, max_replicas=2,
+            submit_time=NOW - 500)))
+        store.put(keys.job("j", "allocation"), encode(Allocation(3, ("n1", "n2"), NOW - 100)))
+        coordinator = Coordinator(store, make_policy("pollux-dp", p=-1.0, delta=1.0),
+                                  clock=lambda: NOW)
+        coordinator.schedule_once()
+        store.delete(keys.node("n2"))  # n2 is missing (within its grace)
+        coordinator.schedule_once()
+        nodes = decode(Allocation, store.get(keys.job("j", "allocation")).value).nodes
+    assert "n1" in nodes, nodes
