@@ -129,7 +129,11 @@ def main() -> None:
         os.replace(tmp, args.result)
     print("done", flush=True)
     if torch.distributed.is_initialized():  # (as torch asks: a gloo group left to the
-        torch.distributed.destroy_process_group()  # interpreter's exit may abort it)
+        # interpreter's exit may abort it; and every rank past its last use first: with a
+        # peer exiting while a rank tore its group down, torchrun's baseline run exited
+        # non-zero now and then after writing its result)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
