@@ -548,8 +548,9 @@ class Coordinator:
         allowed = [frozenset(s.gpu_types) if s is not None else frozenset() for s in specs]
         if len(set(types)) <= 1 and not any(allowed):
             return self.policy.optimize(infos, free, current)
-        engines = {t: self._typed.setdefault(t, copy.deepcopy(self.policy)).optimize
-                   for t in set(types)}
+        for t in set(types) - set(self._typed):  # (made once: a deep copy is no per-round work)
+            self._typed[t] = copy.deepcopy(self.policy)
+        engines = {t: self._typed[t].optimize for t in set(types)}
         return typed_allocation(engines, infos, free, current, types, allowed)
 
     def _read_drains(self) -> set[str]:

@@ -29,7 +29,7 @@ from ..arguments import OptionsError, count, name, seconds
 from ..messages import Allocation, JobStatus, MessageError, NodeDrain, NodeInfo, decode, encode
 from ..rendezvous.store import Store
 from ..rendezvous.store.cli_args import add_store_arguments, open_from_args
-from .slurm_allocation import AllocationError, find_allocation_store, scontrol
+from .slurm_allocation import AllocationError, find_allocation_store, scontrol, scontrol_fields
 
 SAY_EVERY = 10.0  # s between progress lines while waiting
 
@@ -98,8 +98,7 @@ def _slurm_release(num_nodes: int, store: Store) -> tuple[str, list[str], list[s
     job_id = os.environ.get(envvars.SLURM_JOB_ID)
     if not job_id:
         raise AllocationError("--num-nodes: not inside a Slurm allocation (no SLURM_JOB_ID)")
-    fields = dict(f.split("=", 1) for f in scontrol("show", "job", job_id, "-o").split()
-                  if "=" in f)
+    fields = scontrol_fields("show", "job", job_id)
     nodes = scontrol("show", "hostnames", fields.get("NodeList", "")).split()
     batch = fields.get("BatchHost", "")
     if not 1 <= num_nodes < len(nodes):

@@ -96,12 +96,16 @@ def read_allocation(env: dict[str, str] | None = None) -> SlurmAllocation:
             raise AllocationError(f"--slurm: `{tool}` is not on PATH")
     nodes = tuple(scontrol("show", "hostnames", nodelist).split())
     here = env.get(envvars.SLURMD_NODENAME) or nodes[0]
-    fields = dict(f.split("=", 1) for f in scontrol("show", "node", here, "-o").split()
-                  if "=" in f)
-    address = fields.get("NodeAddr") or here
+    address = scontrol_fields("show", "node", here).get("NodeAddr") or here
     with suppress(OSError):  # a host name: the address it resolves to here
         address = socket.gethostbyname(address)
     return SlurmAllocation(job_id, nodes, address)
+
+
+def scontrol_fields(*args: str) -> dict[str, str]:
+    """``scontrol ARGS -o``'s ``Key=value`` fields (one record: ``show job ID``, ``show
+    node NAME``). Raises AllocationError (one line)."""
+    return dict(f.split("=", 1) for f in scontrol(*args, "-o").split() if "=" in f)
 
 
 def scontrol(*args: str) -> str:
@@ -148,16 +152,18 @@ def find_allocation_store(args: argparse.Namespace) -> None:
 def _publish_store(alloc: SlurmAllocation, url: str, prefix: str) -> bool:
     """Put the store in the job's Comment (module docstring) - unless the user's comment
     is there: that is not ours to replace. Whether it is there now."""
+    value = f"{STORE_COMMENT_HEAD}{url}|{prefix}"
+    if not STORE_COMMENT.match(value):  # (one that status would not read: none at all)
+        return False
     comment = _job_comment(alloc.job_id)
     if comment is None or (comment and not comment.startswith(STORE_COMMENT_HEAD)):
         return False
-    value = f"{STORE_COMMENT_HEAD}{url}|{prefix}"
     try:
         scontrol("update", f"JobId={alloc.job_id}", f"Comment={value}")
     except AllocationError as exc:
         log.warning("pollux-run status will not find this allocation's store: %s", exc)
         return False
-    return STORE_COMMENT.match(value) is not None
+    return True
 
 
 def _unpublish_store(alloc: SlurmAllocation) -> None:
@@ -168,10 +174,9 @@ def _unpublish_store(alloc: SlurmAllocation) -> None:
 def _job_comment(job_id: str) -> str | None:
     """The Slurm job's Comment ("" if none); None if scontrol cannot say."""
     try:
-        text = scontrol("show", "job", job_id, "-o")
+        return scontrol_fields("show", "job", job_id).get("Comment", "")
     except AllocationError:
         return None
-    return next((f.split("=", 1)[1] for f in text.split() if f.startswith("Comment=")), "")
 
 
 class _Stopped(Exception):

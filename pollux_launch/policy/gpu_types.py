@@ -30,26 +30,21 @@ def assign_types(jobs: Sequence[JobInfo], nodes: Sequence[PolicyNode], current: 
     """Each job's type (module docstring); None for a job no present type suits.
     ``allowed[j]``: the types job ``j`` may use (empty: any)."""
     types = sorted(set(node_types))
-    slots = {t: sum(n.slots for n, nt in zip(nodes, node_types, strict=True) if nt == t)
-             for t in types}
+    # slots of each type left after the minimum replicas of the jobs given it so far
+    left = {t: sum(n.slots for n, nt in zip(nodes, node_types, strict=True) if nt == t)
+            for t in types}
     per_type = np.array([[nt == t for nt in node_types] for t in types], dtype=int)
     out: list[str | None] = [None] * len(jobs)
-    left = dict(slots)
+    usable = [[t for t in types if not allowed[j] or t in allowed[j]] for j in range(len(jobs))]
     for j, job in enumerate(jobs):  # running jobs first: they keep their type
-        usable = [t for t in types if not allowed[j] or t in allowed[j]]
-        held = per_type @ current[j] if current.size else np.zeros(len(types), dtype=int)
-        if held.sum() > 0:
-            best = max(usable, key=lambda t: (held[types.index(t)], -types.index(t)),
-                       default=None)
-            if best is not None and held[types.index(best)] > 0:
-                out[j] = best
-                left[best] -= job.min_replicas
+        held = dict(zip(types, per_type @ current[j], strict=True))
+        best = max(usable[j], key=lambda t: (held[t], -types.index(t)), default=None)
+        if best is not None and held[best] > 0:
+            out[j] = best
+            left[best] -= job.min_replicas
     for j, job in enumerate(jobs):
-        if out[j] is not None:
-            continue
-        usable = [t for t in types if not allowed[j] or t in allowed[j]]
-        if usable:
-            out[j] = max(usable, key=lambda t: (left[t], -types.index(t)))
+        if out[j] is None and usable[j]:
+            out[j] = max(usable[j], key=lambda t: (left[t], -types.index(t)))
             left[out[j]] -= job.min_replicas
     return out
 
@@ -68,8 +63,7 @@ def typed_allocation(optimize: Mapping[str, Optimize], jobs: Sequence[JobInfo],
         rows = [j for j, c in enumerate(chosen) if c == t]
         if not rows:
             continue
-        sub = current[np.ix_(rows, cols)] if current.size else np.zeros((len(rows), len(cols)),
-                                                                         dtype=int)
-        part = optimize[t]([jobs[j] for j in rows], [nodes[i] for i in cols], sub)
-        target[np.ix_(rows, cols)] = part
+        target[np.ix_(rows, cols)] = optimize[t]([jobs[j] for j in rows],
+                                                  [nodes[i] for i in cols],
+                                                  current[np.ix_(rows, cols)])
     return target
