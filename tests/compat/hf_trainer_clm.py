@@ -22,12 +22,20 @@ sequence length, kept across resumes), the final eval loss, the world sizes it r
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import json
 import os
 import time
 from pathlib import Path
 
 import torch
+
+try:  # before any process group exists: see release_group(). (Not an import statement:
+    # pollux-run would take this script for a DeepSpeed one and pass it --local_rank.)
+    importlib.import_module("deepspeed.comm")
+except ImportError:  # (no deepspeed: nothing of it can hold the group)
+    pass
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -128,13 +136,53 @@ def main() -> None:
             json.dump(result, f)
         os.replace(tmp, args.result)
     print("done", flush=True)
-    if torch.distributed.is_initialized():  # (as torch asks: a gloo group left to the
-        # interpreter's exit may abort it; and every rank past its last use first: with a
-        # peer exiting while a rank tore its group down, torchrun's baseline run exited
-        # non-zero now and then after writing its result)
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+
+
+def gloo_threads() -> list[str]:
+    """This process's gloo threads (``pt_gloo_runloop``, ``gloo_tcp_loop``); Linux only."""
+    names = []
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return [n for n in names if "gloo" in n]
+
+
+def release_group() -> None:
+    """Destroy the gloo group and join its threads while the interpreter is still alive.
+
+    ``destroy_process_group()`` only drops ``torch.distributed``'s own references. The
+    ``ProcessGroupGloo`` (and its worker threads ``pt_gloo_runloop``) lives on while
+    anything else holds it: main()'s Trainer (its DDP wrapper, in reference cycles), and
+    deepspeed, which accelerate imports only once the group exists: the default
+    argument ``group=torch.distributed.GroupMember.WORLD`` of deepspeed.comm.torch's
+    ``TorchBackend.barrier``/``monitored_barrier`` is evaluated at that import, a
+    reference to the group for the life of the process (imported at the top of this
+    script, before any group, it is None). Left so, the group outlives the interpreter: a
+    worker thread that drops the last collective's Work after the main thread went on
+    (``~AsyncAllgatherWork`` releasing Python tensors needs the GIL) finds Python
+    finalizing, and ``take_gil`` ends it with ``pthread_exit``, whose unwinding through
+    that noexcept destructor calls ``std::terminate`` - 'terminate called without an
+    active exception', SIGABRT, after 'done'. A barrier only narrowed that window.
+    """
+    if not torch.distributed.is_initialized():
+        return
+    world = torch.distributed.group.WORLD
+    torch.distributed.barrier()  # every rank past its last collective before teardown
+    torch.distributed.destroy_process_group()
+    gc.collect()  # main()'s Trainer and its DDP wrapper
+    del world  # the last reference: ProcessGroupGloo's destructor (GIL released) joins
+    end = time.monotonic() + 10  # its threads (a joined thread leaves /proc just after)
+    while gloo_threads() and time.monotonic() < end:
+        time.sleep(0.05)
+    if gloo_threads():
+        raise RuntimeError(f"the gloo process group outlived destroy_process_group(): "
+                           f"something still holds it, and its threads {gloo_threads()} "
+                           f"would race the interpreter's exit (std::terminate)")
 
 
 if __name__ == "__main__":
     main()
+    release_group()

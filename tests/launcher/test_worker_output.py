@@ -253,8 +253,9 @@ def test_a_stream_made_after_the_first_marker_still_starts_under_the_start_label
 
     class StdoutFirst(threading.Thread):  # (the race, made certain)
         def start(self):
-            super().start()
+            # read before the thread runs: a finished Thread drops its _args
             worker, stream = self._args[0], self._args[1]
+            super().start()
             deadline = time.monotonic() + 30
             while stream.name == "stdout" and worker.mark_seq < 1:  # stdout's marker read
                 assert time.monotonic() < deadline, "no marker on stdout"
