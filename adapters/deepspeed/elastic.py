@@ -93,6 +93,9 @@ class ElasticDeepSpeed:
             description, _DeepSpeedHooks(self), JobCollectives(job), self.profile,
             membership=job.membership(), loader=loader, checkpoints=checkpoints)
         self.tuner = self.controller.tuner
+        # its group changes only through the controller: boundaries with nothing due
+        # may be skipped (the controller's "Idle steps")
+        self.controller.skip_idle = True
         self.progress = self.tuner.progress
         handle.driver = self
         restored = handle.restored_state

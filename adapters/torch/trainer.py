@@ -145,6 +145,11 @@ class ElasticTrainer:
             membership=self.job.membership(), loader=loader,
             checkpoints=checkpoint_writer(checkpoint_dir, checkpoint_interval))
         self.tuner = self.controller.tuner
+        # its group changes only through the controller: boundaries with nothing due
+        # may be skipped (the controller's "Idle steps")
+        self.controller.skip_idle = True
+        # (a policy that acts on every step reads each step's times: all measured)
+        self.hooks.skip_idle = all(p.idle_safe for p in self.controller.policies)
         loader.on_step_boundary = self._on_boundary
         release_at_exit(self._release_group)
         info = self.job.info
@@ -355,6 +360,7 @@ class ElasticTrainer:
         """The training state outside the controller's own (which travels beside it); a
         sharded model's: no model, the optimizer's without its sharded tensors."""
         rs = self._resharder
+        self.hooks.end_idle()  # (the monitor's schedule past the idle steps first)
         state: dict[str, Any] = {
             "model": self.module.state_dict() if rs is None else {},
             "optimizer": (self.optimizer.state_dict() if rs is None
@@ -374,6 +380,7 @@ class ElasticTrainer:
             self.module.load_state_dict(state["model"])
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+        self.hooks.end_idle()
         self.hooks.monitor.load_state_dict(state["monitor"])
         for name, obj in self._extra.items():
             obj.load_state_dict(state["extra"][name])

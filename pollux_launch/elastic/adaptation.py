@@ -90,6 +90,15 @@ class AdaptationPolicy:
     def after_step(self, ctx: PolicyContext) -> None:
         """After every optimiser step, on every rank."""
 
+    @property
+    def idle_safe(self) -> bool:
+        """Whether the steps with no decision, vote or new round may go without this
+        policy's ``after_step`` (the controller then skips their boundaries: a
+        host-bound step's cost). By default: when the policy does not override
+        ``after_step``; one that acts only at decisions (``ctx.decision_due``) may say
+        True."""
+        return type(self).after_step is AdaptationPolicy.after_step
+
     def after_epoch(self, ctx: PolicyContext) -> None:
         """After each data epoch, on every rank."""
 
@@ -439,6 +448,7 @@ class GoodputPolicy(AdaptationPolicy):
     policy sets it. Runs on rank 0 only (rank 0 decides)."""
 
     name = "pollux"
+    idle_safe = True  # (it acts at decisions only)
 
     def after_step(self, ctx: PolicyContext) -> None:
         if ctx.decision_due and ctx.rank == 0:

@@ -31,6 +31,13 @@ step: it counts the step and its statistical progress (Pollux Sec. 3.1), then
    few hundred microseconds would otherwise spend several percent deciding), and
    broadcasts the next one's step with each decision.
 
+Idle steps. Where the group changes only through this controller (``skip_idle``: the
+torch trainer's), a boundary that ends its work plans how many of the next ones will have
+nothing due - no decision, no vote, no policy acting on every step (``idle_safe``), no
+new round's first step - from step counts alone, so the same on every rank; those cost
+one attribute test each, and the next full boundary times them all (their mean step).
+A new group, a loaded state and SIGTERM cancel the plan.
+
 Adaptation policies (:mod:`.adaptation`, KungFu's APs; by default only Pollux's
 ``GoodputPolicy``) run on every rank: ``after_step`` at every boundary before 3-4,
 ``on_rescale`` for every new group (and on a leaving worker), ``before_epoch`` /
@@ -80,6 +87,7 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 VOTE_PERIOD_S = 0.05  # vote about every 50 ms of training: cheap, rescales start promptly
+IDLE_MAX = 1000  # idle boundaries skipped in a row at most (then one is timed)
 DEFAULT_DECIDE_EVERY = 20  # steps between decisions (at least, with a budget)
 DECISION_BUDGET = 0.005  # decisions may cost this fraction of training time (default)
 DECISION_MAX_S = 5.0  # ...but come at least this often (seconds of training)
@@ -196,6 +204,12 @@ class ElasticController:
         # where the steps may wait for the device, counted (shared with an adapter's own)
         self.sync_points = sync_points if sync_points is not None else SyncPoints()
         self._mean_step: float | None = None  # smoothed step time (the vote interval's)
+        # Idle boundaries (module docstring, "Idle steps"): an adapter whose group changes
+        # only through this controller sets skip_idle; boundaries left to skip, skipped
+        self.skip_idle = False
+        self._idle_left = 0
+        self._idle_done = 0
+        self._idle_ok: bool | None = None  # whether the policies allow it (computed once)
         if checkpoints is not None:
             self._catch_sigterm()
 
@@ -225,6 +239,7 @@ class ElasticController:
             raise ValueError("elastic controller state: unexpected format")
         self.tuner.load_state_dict(state["tuner"])
         self.steps, self.resets = int(state["steps"]), int(state["resets"])
+        self._idle_left = 0  # (planned for other steps)
         self.lr_factor = float(state["lr_factor"])
         if self.loader is not None and state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
@@ -298,6 +313,7 @@ class ElasticController:
         self.resets += 1  # (the first is the start)
         # the pause is not a step, and the old group's step times are not this one's
         self._t_boundary, self.throughput, self.step_time = None, None, None
+        self._idle_left = self._idle_done = 0  # (planned for the old group's steps)
         self.ctx.previous_world_size = self._decided_size
         self._run_policies("on_rescale")
         self.decide(force=True)
@@ -348,8 +364,34 @@ class ElasticController:
 
     def boundary(self) -> None:
         """The step boundary proper (module docstring, 1-4): every rank, same step. A
-        step with nothing due costs a few attribute reads and the policies' after_step;
-        the rest runs at scheduled points (``tuning.sync_points``)."""
+        step with nothing due costs a few attribute reads and the policies' after_step
+        (an idle one, one: module docstring); the rest runs at scheduled points
+        (``tuning.sync_points``)."""
+        if self._idle_left:
+            self._idle_left -= 1
+            self._idle_done += 1
+            return
+        self._boundary()
+        if self.skip_idle:
+            self._idle_left = self._idle_ahead()
+
+    def _idle_ahead(self) -> int:
+        """How many of the next boundaries have nothing due, the same on every rank: no
+        decision, no vote, no policy that acts on every step, no step of a new round or
+        a SIGTERM still to handle (its handler ends the run at once)."""
+        if self._idle_ok is None:
+            self._idle_ok = all(p.idle_safe for p in self.policies)
+        if (not self._idle_ok or self._terminating or self._open_rescale is not None
+                or self.stopped or self.group.world_size != self._decided_size):
+            return 0
+        steps = self.steps
+        ahead = (self.decide_every - steps % self.decide_every if self.decision_budget is None
+                 else self._decide_at - steps) - 1
+        if self.elastic or self._ends_together():
+            ahead = min(ahead, self.check_every - steps % self.check_every - 1)
+        return max(0, min(ahead, IDLE_MAX))
+
+    def _boundary(self) -> None:
         if self._terminating and not self._ends_together():
             with self.sync_points.scheduled("terminate"):
                 self._terminate()
@@ -408,15 +450,20 @@ class ElasticController:
                 self._end_by_sigterm()
 
     def _time_step(self) -> None:
+        """The steps since the last boundary timed (idle ones included: their mean, as
+        if each had been timed - the smoothing's weights are per step)."""
         now = time.perf_counter()
+        n, self._idle_done = self._idle_done + 1, 0
         if self._t_boundary is not None and now > self._t_boundary:
-            self.step_time = step = now - self._t_boundary
+            self.step_time = step = (now - self._t_boundary) / n
             mean = self._mean_step
-            self._mean_step = step if mean is None else 0.9 * mean + 0.1 * step
+            keep = 0.9 ** n
+            self._mean_step = step if mean is None else keep * mean + (1 - keep) * step
             m, s = self.hooks.batch()
-            rate = self.group.world_size * m * (s + 1) / self.step_time
+            rate = self.group.world_size * m * (s + 1) / step
+            keep = 0.8 ** n
             self.throughput = rate if self.throughput is None else (
-                0.8 * self.throughput + 0.2 * rate)
+                keep * self.throughput + (1 - keep) * rate)
         self._t_boundary = now
 
     def rescale(self) -> None:
@@ -487,6 +534,7 @@ class ElasticController:
         """Rank 0 decides from its policies' proposals and reports; every rank applies
         the broadcast decision (module docstring)."""
         g = self.group
+        self._idle_left = 0  # (planned from the schedule this decision may change)
         self._grad = self.hooks.grad_stats()
         m, s = self.hooks.batch()
         actions = self.ctx.take()  # (another rank's proposals are not used: rank 0 decides)
@@ -665,6 +713,7 @@ class ElasticController:
 
         def on_sigterm(signum: int, frame: Any) -> None:
             self._terminating = True
+            self._idle_left = 0  # (the next boundary handles it)
 
         signal.signal(signal.SIGTERM, on_sigterm)
 

@@ -256,6 +256,26 @@ class GradientNoiseMonitor:
         self._local = buf
         self._cost += self._clock() - t0
 
+    def unmeasured_ahead(self) -> int:
+        """How many synchronising steps from the next one on the schedule leaves
+        unmeasured (their local gradients unsampled too): the steps an owner may finish
+        together with :meth:`skip_steps`. Changes only with the interval (at a
+        ``sync_point``)."""
+        if self.measuring:
+            return 0
+        k, s = self.interval, self._step
+        # (differenced: the capture step k-1 comes before the estimate step 0)
+        return (k - 1 - s % k) if self.differenced else (k - s % k)
+
+    def skip_steps(self, n: int) -> None:
+        """``n`` unmeasured synchronising steps (at most :meth:`unmeasured_ahead`) ended
+        without :meth:`finish_step`: the schedule moves on as if each had, the last at
+        this moment."""
+        if n > 0:
+            self._step += n
+            self._last_finish = self._clock()
+            self._reset_step()
+
     def finish_step(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """The gradients (``grads`` aligned with ``params``; default ``p.grad``) are now
         averaged across replicas and micro-batches: record this step's statistics.

@@ -20,6 +20,13 @@ the monitor samples (every ``interval``-th step, issue 31): a step it does not s
 costs no Python call per parameter, only that one call. At several replicas the sync
 time is then measured on the sampled steps only (a new configuration samples every step
 until the next decision: each has its sync time); step time on every step.
+
+Idle steps (driven). After a synchronising step the hooks plan how many of the next
+ones need nothing measured (:meth:`GradientNoiseMonitor.unmeasured_ahead`, once the
+profile's warm-up is over); those cost one attribute test in ``micro_step_done``, and the
+last of them, or anything that reads or changes the measurements first
+(:meth:`MeasurementHooks.end_idle`), moves the monitor's schedule past them and records
+their mean step time. The plan follows step counts only: every replica makes the same.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from torch.autograd import Variable
 
 from .grad_monitor import DEFAULT_OVERHEAD_BUDGET, GradientNoiseMonitor
 from .profile import ProfileKey, StepProfile
+
+IDLE_MAX = 1000  # idle steps in a row at most (then one is measured: the profile's time)
 
 
 class MeasurementHooks:
@@ -60,6 +69,11 @@ class MeasurementHooks:
         self._accumulating = False
         self._t_local_done = 0.0
         self._t_last_step: float | None = None
+        # driven: synchronising steps ahead that need nothing measured (planned, the same
+        # on every replica), and those already done (module docstring, "Idle steps")
+        self.skip_idle = driven  # (off: every step measured as before)
+        self._idle_left = 0
+        self._idle_done = 0
         self._handles: list[Any] = []
         self._params = (
             monitor.params
@@ -70,6 +84,7 @@ class MeasurementHooks:
 
     def reattach(self) -> None:
         """Register the hooks again after :meth:`remove`, keeping all measured state."""
+        self.end_idle()
         self._attached = True
         if not self.driven:
             self._register()
@@ -112,6 +127,7 @@ class MeasurementHooks:
         loss_averaged_over_accum: bool = False,
     ) -> None:
         """New allocation or batch shape (at a step boundary)."""
+        self.end_idle()
         if self.monitor is not None:
             self.monitor.configure(
                 num_replicas=num_replicas,
@@ -140,12 +156,15 @@ class MeasurementHooks:
         """At a scheduled point (every replica at the same step boundary): the monitor's
         (``GradientNoiseMonitor.sync_point``), then the hooks armed for the next step as
         the interval it may have changed says."""
+        self.end_idle()
         if self.monitor is not None:
             self.monitor.sync_point()
         self._arm()
+        self._idle_left = self._idle_ahead()
 
     def remove(self) -> None:
         """Detach every hook (the monitor and profile keep their state)."""
+        self.end_idle()
         self._attached = self._armed = False
         self._unregister()
 
@@ -155,9 +174,16 @@ class MeasurementHooks:
         otherwise what the two callbacks do - with ``comm_s`` the step's time in
         collectives where the owner timed them (FSDP2's); at several replicas without it
         the sync time is left unmeasured. Then arms the hooks for the next step."""
+        if sync and self._idle_left:
+            self._idle_left -= 1
+            self._idle_done += 1
+            if not self._idle_left:
+                self.end_idle()
+            return
         if self._armed:
             if sync:
                 self._arm()
+                self._idle_left = self._idle_ahead()
             return
         if self.monitor is not None:
             self.monitor.end_micro_step()
@@ -170,6 +196,39 @@ class MeasurementHooks:
         else:  # as the callbacks time it: from the local gradients to the step's end
             self._t_local_done = self._clock() - (comm_s or 0.0)
             self._after_sync()
+        self._arm()
+        self._idle_left = self._idle_ahead()
+
+    def _idle_ahead(self) -> int:
+        """Driven: how many of the next synchronising steps need nothing measured - no
+        sampled gradients, no armed hooks, the step profile past its warm-up, no times
+        of collectives to take - from the monitor's schedule, the same on every
+        replica."""
+        if not self.skip_idle or self._armed or not self._attached:
+            return 0
+        if self.profile is not None and not self.profile.warm:
+            return 0
+        mon = self.monitor
+        if mon is None:
+            return 0 if self._replicas > 1 else IDLE_MAX
+        if mon.sharded:  # (its collectives are timed per step: comm_s)
+            return 0
+        return min(mon.unmeasured_ahead(), IDLE_MAX)
+
+    def end_idle(self) -> None:
+        """Finish the idle steps done so far as if each had been measured - the monitor's
+        schedule moves past them, the profile takes their mean - and arm the hooks for
+        the next step. Before anything reads or changes the monitor or the profile."""
+        n, self._idle_done, self._idle_left = self._idle_done, 0, 0
+        if not n:
+            return
+        now = self._clock()
+        if self.monitor is not None:
+            self.monitor.skip_steps(n)
+        if (self.profile is not None and self.profile.key is not None
+                and self._t_last_step is not None):
+            self.profile.record((now - self._t_last_step) / n, None, steps=n)
+        self._t_last_step = now
         self._arm()
 
     # Autograd-engine callbacks; they must not raise into the engine on user error paths.

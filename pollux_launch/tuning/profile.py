@@ -79,12 +79,20 @@ class StepProfile:
             self._key, self._current = key, None
             self._since_change = 0
 
-    def record(self, step_time: float, sync_time: float | None = None) -> bool:
-        """One step's time (seconds); returns whether it was kept (not warm-up/invalid)."""
+    @property
+    def warm(self) -> bool:
+        """Whether the current configuration's warm-up is over (its steps are kept)."""
+        return self._key is not None and self._since_change >= self.warmup_steps
+
+    def record(self, step_time: float, sync_time: float | None = None,
+               steps: int = 1) -> bool:
+        """One step's time (seconds), or the mean of ``steps`` steps after the warm-up
+        (``sync_time``: the last one's); returns whether it was kept (not
+        warm-up/invalid)."""
         if self._key is None:
             raise RuntimeError("StepProfile.record before set_key: say which configuration ran")
         self.last = (step_time, sync_time)
-        self._since_change += 1
+        self._since_change += steps
         if self._since_change <= self.warmup_steps:
             return False
         if not (math.isfinite(step_time) and step_time > 0.0):
@@ -92,8 +100,8 @@ class StepProfile:
         t = self._current
         if t is None:  # (looked up once per key, not per step: a dataclass hashes slowly)
             t = self._current = self._totals.setdefault(self._key, _Totals())
-        t.count += 1
-        t.step_time += step_time
+        t.count += steps
+        t.step_time += step_time * steps
         if sync_time is not None and math.isfinite(sync_time) and sync_time >= 0.0:
             t.sync_count += 1
             t.sync_time += min(sync_time, step_time)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from tensor_reads import watch_reads  # (tests/ is on the path)
+from training_loops import run_steps
 
 import pollux_launch.adapters.torch as pollux
 
@@ -42,13 +43,7 @@ def _train(steps: int, *, optimizer: str = "sgd", accum: bool = False, amp: bool
     trainer = pollux.ElasticTrainer(model, opt, loader, grad_scaler=scaler,
                                     max_grad_norm=1.0 if amp else None, decide_every=5)
     assert not accum or loader.accum_steps >= 1
-    done = 0
-    while done < steps:
-        for x, y in loader:
-            if trainer.step(torch.nn.functional.cross_entropy(trainer.model(x), y)):
-                done += 1
-            if done >= steps:
-                break
+    run_steps(trainer, loader, steps)
     return trainer
 
 
