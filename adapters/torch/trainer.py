@@ -149,7 +149,7 @@ class ElasticTrainer:
         # may be skipped (the controller's "Idle steps")
         self.controller.skip_idle = True
         # (a policy that acts on every step reads each step's times: all measured)
-        self.hooks.skip_idle = all(p.idle_safe for p in self.controller.policies)
+        self.hooks.skip_idle = self.controller.idle_safe
         loader.on_step_boundary = self._on_boundary
         release_at_exit(self._release_group)
         info = self.job.info

@@ -74,6 +74,7 @@ import torch
 
 from pollux_launch import env as envvars
 from pollux_launch.tuning.gns import GradNoise
+from pollux_launch.tuning.hooks import IDLE_MAX
 from pollux_launch.tuning.sync_points import SyncPoints
 from pollux_launch.tuning.tuner import GoodputTuner
 
@@ -87,7 +88,6 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 VOTE_PERIOD_S = 0.05  # vote about every 50 ms of training: cheap, rescales start promptly
-IDLE_MAX = 1000  # idle boundaries skipped in a row at most (then one is timed)
 DEFAULT_DECIDE_EVERY = 20  # steps between decisions (at least, with a budget)
 DECISION_BUDGET = 0.005  # decisions may cost this fraction of training time (default)
 DECISION_MAX_S = 5.0  # ...but come at least this often (seconds of training)
@@ -194,6 +194,8 @@ class ElasticController:
         self._terminating = False
         self.policies = list(policies) if policies is not None else [GoodputPolicy()]
         self.ctx = PolicyContext(self)
+        # whether steps may go without the policies' after_step (module docstring)
+        self.idle_safe = all(p.idle_safe for p in self.policies)
         self.replica_request: tuple[int, int] | None = None  # the policies' (travels)
         self.stopped = False  # a policy stopped training (every rank, same step)
         self.epoch = 0  # the data epoch the policies see
@@ -209,7 +211,6 @@ class ElasticController:
         self.skip_idle = False
         self._idle_left = 0
         self._idle_done = 0
-        self._idle_ok: bool | None = None  # whether the policies allow it (computed once)
         if checkpoints is not None:
             self._catch_sigterm()
 
@@ -379,9 +380,7 @@ class ElasticController:
         """How many of the next boundaries have nothing due, the same on every rank: no
         decision, no vote, no policy that acts on every step, no step of a new round or
         a SIGTERM still to handle (its handler ends the run at once)."""
-        if self._idle_ok is None:
-            self._idle_ok = all(p.idle_safe for p in self.policies)
-        if (not self._idle_ok or self._terminating or self._open_rescale is not None
+        if (not self.idle_safe or self._terminating or self._open_rescale is not None
                 or self.stopped or self.group.world_size != self._decided_size):
             return 0
         steps = self.steps

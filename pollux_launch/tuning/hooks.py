@@ -43,7 +43,8 @@ from torch.autograd import Variable
 from .grad_monitor import DEFAULT_OVERHEAD_BUDGET, GradientNoiseMonitor
 from .profile import ProfileKey, StepProfile
 
-IDLE_MAX = 1000  # idle steps in a row at most (then one is measured: the profile's time)
+# idle steps (and the controller's idle boundaries) in a row at most: then one is timed
+IDLE_MAX = 1000
 
 
 class MeasurementHooks:
